@@ -1,0 +1,42 @@
+// Shared definitions of the MoK C ABI: error codes, the status word, launch checks.
+//
+// Every entry point returns an int: 0 (MOK_OK) on success, a cudaError_t value (> 0) when a
+// CUDA call or launch failed, or one of the negative MOK_ERR_* codes when an argument is
+// outside what the kernel supports. mok_error_string() turns any of them into text.
+#pragma once
+
+#include <cstdint>
+
+#ifdef __cplusplus
+#define MOK_EXTERN_C extern "C"
+#else
+#define MOK_EXTERN_C
+#endif
+#define MOK_API MOK_EXTERN_C __attribute__((visibility("default")))
+
+enum MokError {
+  MOK_OK = 0,
+  MOK_ERR_INVALID_ARGUMENT = -1,   // a size or pointer argument is outside what is supported
+  MOK_ERR_UNSUPPORTED = -2,        // a valid configuration this build does not implement
+};
+
+// Status word: int32[MOK_STATUS_WORDS], written by kernels when they detect a problem they
+// cannot raise themselves (bad routing values, a peer that never arrives). It lives in pinned
+// host memory so the host reads it without a device synchronisation.
+enum MokStatusIndex {
+  MOK_STATUS_FLAGS = 0,      // OR of MokStatusFlag
+  MOK_STATUS_VALUE = 1,      // the offending value (bad expert id, token count)
+  MOK_STATUS_PEER = 2,       // the peer rank that timed out
+  MOK_STATUS_WHERE = 3,      // which wait timed out (MokWaitSite)
+  MOK_STATUS_RANK = 4,       // the rank that observed the problem
+  MOK_STATUS_WORDS = 8,
+};
+
+enum MokStatusFlag {
+  MOK_STATUS_BAD_EXPERT_ID = 1,     // an id outside [-1, E)
+  MOK_STATUS_TOO_MANY_TOKENS = 2,   // a rank's token count exceeds the workspace capacity
+  MOK_STATUS_TIMEOUT = 4,           // a peer did not arrive within the timeout
+};
+
+MOK_API const char* mok_error_string(int code);
+MOK_API int mok_abi_version(void);

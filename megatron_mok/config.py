@@ -1,0 +1,197 @@
+"""MoKConfig: the tunables of the MoK MoE layer, their validation and their default heuristic.
+
+Every field may be left as ``None``; :meth:`MoKConfig.resolve` fills those from the layer's
+shape and the device (see ``docs/architecture.md``, "Choosing the tunables"). Validation runs
+in ``__post_init__`` and again after resolution, so a bad value fails where it is written,
+with a message naming the field, the value and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+# Tile heights the GPU kernels are written for (rows of one wgmma row block). The reference
+# backend takes any power of two up to 256 (small tiles keep CPU tests small).
+GPU_TILE_ROWS = (64, 128)
+MAX_TILE_ROWS = 256
+# GEMM tile used by the heuristic: 128 rows x 256 output columns per compute SM and tile.
+HEURISTIC_TILE_COLS = 256
+# A copy kernel saturates NVLink 4 with about 8 SMs on H200 (shared/device-facts.md).
+NVLINK_SATURATING_SMS = 8
+H200_NUM_SMS = 132
+
+
+class MoKConfigError(ValueError):
+    """A MoK tunable has a value outside what is supported."""
+
+
+@dataclass(frozen=True)
+class MoKConfig:
+    """Tunables of the MoK dispatch + expert FFN + combine.
+
+    All sizes are in token rows. ``None`` means "choose from the shape and the device"
+    (:meth:`resolve`). Results never depend on these values: every setting gives bitwise the
+    same output.
+    """
+
+    comm_sms_forward: Optional[int] = None
+    """SMs of the persistent forward kernel that only move data (pull dispatch, push combine).
+    At least 1 and fewer than the device's SM count."""
+
+    comm_sms_backward: Optional[int] = None
+    """Same as ``comm_sms_forward``, for the backward kernels."""
+
+    minibatch_rows: Optional[int] = None
+    """Rows handed to the expert GEMMs at once: the overlap granularity. A positive multiple of
+    ``tile_rows``; the default gives every compute SM at least two waves of GEMM tiles."""
+
+    ring_rows: Optional[int] = None
+    """Rows of the fixed-size ring token buffer (the macrobatch) that holds received tokens.
+    A multiple of ``minibatch_rows`` and at least two minibatches, so one fills while the
+    other is computed. Bounds the megakernel's memory whatever the routing."""
+
+    tile_rows: int = 128
+    """Height of a GEMM row block; each expert's segment of the schedule is padded to it.
+    A power of two up to 256; the GPU backends take 64 or 128."""
+
+    timeout_s: float = 60.0
+    """Seconds a rank waits for a peer (barrier, flag, ring slot) before it reports an error
+    naming the peer. Positive."""
+
+    max_tokens_per_rank: Optional[int] = None
+    """Capacity of the communication workspace in tokens per rank. ``None``: agreed by all
+    ranks at the first call (the largest token count of any rank). A later call with more
+    tokens raises an error instead of reallocating, since reallocation is collective."""
+
+    num_experts: Optional[int] = None
+    """Total expert count E, if the caller wants it checked against the weights
+    (E must be divisible by the EP size and E / P must equal ``fc1_weight.shape[0]``)."""
+
+    def __post_init__(self) -> None:
+        _check_optional_int(self, "comm_sms_forward", minimum=1)
+        _check_optional_int(self, "comm_sms_backward", minimum=1)
+        _check_optional_int(self, "minibatch_rows", minimum=1)
+        _check_optional_int(self, "ring_rows", minimum=1)
+        _check_optional_int(self, "max_tokens_per_rank", minimum=1)
+        _check_optional_int(self, "num_experts", minimum=1)
+        t = self.tile_rows
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1 or t > MAX_TILE_ROWS or t & (t - 1):
+            raise MoKConfigError(
+                f"MoKConfig.tile_rows={t!r} is not supported; it must be a power of two "
+                f"between 1 and {MAX_TILE_ROWS} (the GPU backends take {GPU_TILE_ROWS})"
+            )
+        if not isinstance(self.timeout_s, (int, float)) or not math.isfinite(self.timeout_s) \
+                or self.timeout_s <= 0:
+            raise MoKConfigError(
+                f"MoKConfig.timeout_s={self.timeout_s!r} must be a positive finite number of seconds"
+            )
+        if self.minibatch_rows is not None and self.minibatch_rows % self.tile_rows:
+            raise MoKConfigError(
+                f"MoKConfig.minibatch_rows={self.minibatch_rows} must be a multiple of "
+                f"tile_rows={self.tile_rows}"
+            )
+        if self.ring_rows is not None and self.minibatch_rows is not None:
+            if self.ring_rows % self.minibatch_rows or self.ring_rows < 2 * self.minibatch_rows:
+                raise MoKConfigError(
+                    f"MoKConfig.ring_rows={self.ring_rows} must be a multiple of "
+                    f"minibatch_rows={self.minibatch_rows} and at least two minibatches "
+                    f"({2 * self.minibatch_rows})"
+                )
+
+    def check_device(self, num_sms: int) -> None:
+        """Raise :class:`MoKConfigError` if the comm-SM counts do not fit a device of
+        ``num_sms`` multiprocessors (at least one SM must remain for compute)."""
+        for name in ("comm_sms_forward", "comm_sms_backward"):
+            value = getattr(self, name)
+            if value is not None and value >= num_sms:
+                raise MoKConfigError(
+                    f"MoKConfig.{name}={value} leaves no compute SM on a device with "
+                    f"{num_sms} SMs; it must be between 1 and {num_sms - 1}"
+                )
+
+    def check_experts(self, ep_size: int, experts_per_rank: int) -> None:
+        """Raise :class:`MoKConfigError` if ``num_experts`` (when set) does not split into
+        ``ep_size`` ranks of ``experts_per_rank`` experts."""
+        if self.num_experts is None:
+            return
+        if self.num_experts % ep_size:
+            raise MoKConfigError(
+                f"num_experts={self.num_experts} is not divisible by the expert-parallel size "
+                f"{ep_size}; MoK places E / P whole experts on every rank"
+            )
+        if self.num_experts // ep_size != experts_per_rank:
+            raise MoKConfigError(
+                f"num_experts={self.num_experts} over {ep_size} ranks gives "
+                f"{self.num_experts // ep_size} experts per rank, but the expert weights hold "
+                f"{experts_per_rank} (fc1_weight.shape[0])"
+            )
+
+    def resolve(
+        self,
+        *,
+        hidden: int,
+        ffn_hidden: int,
+        num_sms: int = H200_NUM_SMS,
+        ep_size: int = 1,
+    ) -> "MoKConfig":
+        """Return a copy with every ``None`` tunable chosen from the shape and the device.
+
+        Heuristic (documented in docs/architecture.md):
+
+        * comm SMs: enough to saturate the peer links (8 on H200), at most a quarter of the
+          SMs; one when there is no peer (P = 1: only local rows move).
+        * minibatch: the smallest multiple of ``tile_rows`` whose fc1 (N = 2 * ffn_hidden) and
+          fc2 (N = hidden) tile grids, in tiles of ``tile_rows`` x 256, each give every compute
+          SM at least two waves.
+        * ring: four minibatches (two being computed or pushed while two fill).
+
+        Args:
+            hidden: H, the model hidden size.
+            ffn_hidden: I, the expert FFN size (fc1 produces 2 * I columns).
+            num_sms: multiprocessors of the device.
+            ep_size: P, ranks of the expert-parallel group.
+        """
+        self.check_device(num_sms)
+        default_comm = 1 if ep_size == 1 else min(NVLINK_SATURATING_SMS, max(1, num_sms // 4))
+        comm_fwd = self.comm_sms_forward if self.comm_sms_forward is not None else default_comm
+        comm_bwd = self.comm_sms_backward if self.comm_sms_backward is not None else default_comm
+        minibatch = self.minibatch_rows
+        if minibatch is None:
+            minibatch = default_minibatch_rows(
+                hidden=hidden, ffn_hidden=ffn_hidden, compute_sms=num_sms - comm_fwd,
+                tile_rows=self.tile_rows,
+            )
+        ring = self.ring_rows if self.ring_rows is not None else 4 * minibatch
+        return dataclasses.replace(
+            self,
+            comm_sms_forward=comm_fwd,
+            comm_sms_backward=comm_bwd,
+            minibatch_rows=minibatch,
+            ring_rows=ring,
+        )
+
+
+def default_minibatch_rows(*, hidden: int, ffn_hidden: int, compute_sms: int, tile_rows: int) -> int:
+    """Smallest multiple of ``tile_rows`` giving ``compute_sms`` SMs two waves of GEMM tiles
+    in both fc1 (N = 2 * ffn_hidden) and fc2 (N = hidden), with tiles of ``tile_rows`` x 256."""
+    waves = 2
+    min_rows = tile_rows
+    for n_cols in (2 * ffn_hidden, hidden):
+        col_tiles = max(1, -(-n_cols // HEURISTIC_TILE_COLS))
+        row_tiles = -(-waves * compute_sms // col_tiles)
+        min_rows = max(min_rows, row_tiles * tile_rows)
+    return min_rows
+
+
+def _check_optional_int(cfg: MoKConfig, name: str, *, minimum: int) -> None:
+    value = getattr(cfg, name)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise MoKConfigError(
+            f"MoKConfig.{name}={value!r} must be None (chosen automatically) or an integer "
+            f">= {minimum}"
+        )

@@ -1,0 +1,70 @@
+"""The public functional entry point of MoK: :func:`mok_moe`.
+
+Usable without Megatron: any framework that has top-k routing and per-expert SwiGLU weights
+in Megatron's layout can call it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import MoKConfig, MoKConfigError
+from .backends import BackendUnavailable, select_backend, run_backend
+from .validate import MoKInputError, check_backend_name, check_inputs
+
+__all__ = ["mok_moe", "MoKInputError", "MoKConfigError", "BackendUnavailable"]
+
+
+def mok_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    *,
+    ep_group: Optional[dist.ProcessGroup] = None,
+    config: Optional[MoKConfig] = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Routed-expert MoE: dispatch, SwiGLU expert FFN and weighted combine (docs/contract.md).
+
+    ``y[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``, the sum over j in a
+    fixed order, with ``FFN_e(v) = (silu(v G_e^T) * (v U_e^T)) D_e^T``. Autograd-enabled:
+    gradients flow to ``x``, ``topk_weights``, ``fc1_weight`` and ``fc2_weight``.
+
+    Args:
+        x: [T, H] tokens of this rank, bf16 (the reference also takes fp16, fp32, fp64).
+        topk_ids: [T, K] int64 global expert ids; expert e lives on rank e // (E/P) of the EP
+            group as its local expert e % (E/P); -1 marks an unused slot.
+        topk_weights: [T, K] fp32 router weights.
+        fc1_weight: [E/P, 2I, H] local experts' fc1 (gate rows then up rows), as Megatron's
+            fc1 Linear weight.
+        fc2_weight: [E/P, H, I] local experts' fc2, as Megatron's fc2 Linear weight.
+        ep_group: the expert-parallel process group of P ranks; None means P = 1. Every rank
+            of the group must call ``mok_moe`` the same number of times, in the same order.
+        config: tunables (:class:`megatron_mok.MoKConfig`); None takes the defaults.
+        backend: "auto" (the fastest available), "reference" (pure PyTorch, any device),
+            "cuda" (comm kernels + grouped GEMM, sm_90), "megakernel" (one persistent
+            kernel, sm_90).
+
+    Returns:
+        y: [T, H] in ``x.dtype``.
+
+    Raises:
+        MoKInputError, MoKConfigError: for unsupported arguments, before any GPU work.
+        BackendUnavailable: when the requested backend cannot run here, saying why.
+    """
+    check_backend_name(backend)
+    shape = check_inputs(x, topk_ids, topk_weights, fc1_weight, fc2_weight)
+    if config is None:
+        config = MoKConfig()
+    elif not isinstance(config, MoKConfig):
+        raise MoKConfigError(f"config must be a MoKConfig or None, got {type(config).__name__}")
+    ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
+    config.check_experts(ep_size, shape.experts_per_rank)
+    name = select_backend(backend, x, shape, config, ep_size)
+    return run_backend(name, x, topk_ids, topk_weights, fc1_weight, fc2_weight,
+                       ep_group=ep_group, config=config, shape=shape)

@@ -1,0 +1,116 @@
+"""Which backend runs a ``mok_moe`` call, and running it.
+
+``auto`` picks the fastest backend that can take the call: ``megakernel`` when it supports the
+shape, else ``cuda`` on an sm_90 GPU with the MoK library loaded, else ``reference``. A backend
+named explicitly that cannot run raises :class:`BackendUnavailable` with the reason; ``auto``
+logs one line with the reason when it falls back from a GPU backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import torch
+
+from ..config import MoKConfig
+from .validate import MoEShape, check_expert_ids_on_host
+
+log = logging.getLogger("megatron_mok")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run this call here; the message says why."""
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_backend_blocker(device_index: int) -> Optional[str]:
+    """Why the CUDA backends cannot run on this device, or None when they can."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if (major, minor) != (9, 0):
+        return (f"the MoK kernels are built for sm_90a (H100/H200); device {device_index} is "
+                f"sm_{major}{minor}")
+    from ..ops.library import LibraryUnavailable, load_library
+
+    try:
+        load_library()
+    except LibraryUnavailable as err:
+        return str(err)
+    return None
+
+
+def gpu_backend_blocker(x: torch.Tensor) -> Optional[str]:
+    """None when the CUDA backends can run on ``x``'s device, else the reason they cannot."""
+    if not x.is_cuda:
+        return f"the tensors are on {x.device}, and the CUDA backends need a CUDA device"
+    if x.dtype != torch.bfloat16:
+        return f"the CUDA backends take bf16 tokens and weights; x is {x.dtype}"
+    return _gpu_backend_blocker(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def megakernel_blocker(x: torch.Tensor, shape: MoEShape, config: MoKConfig, ep_size: int) -> Optional[str]:
+    """None when the forward megakernel takes this call, else why it does not."""
+    reason = gpu_backend_blocker(x)
+    if reason is not None:
+        return reason
+    try:
+        from . import megakernel_backend
+    except ImportError:
+        return "the megakernel backend is not part of this build"
+    return megakernel_backend.unsupported_reason(shape, config, ep_size)
+
+
+def select_backend(requested: str, x: torch.Tensor, shape: MoEShape, config: MoKConfig, ep_size: int) -> str:
+    """Resolve ``requested`` ("auto" or a backend name) to the backend that runs the call."""
+    if requested == "reference":
+        return "reference"
+    if requested == "cuda":
+        reason = gpu_backend_blocker(x)
+        if reason is not None:
+            raise BackendUnavailable(f"backend='cuda' cannot run: {reason}")
+        return "cuda"
+    if requested == "megakernel":
+        reason = megakernel_blocker(x, shape, config, ep_size)
+        if reason is not None:
+            raise BackendUnavailable(f"backend='megakernel' cannot run: {reason}")
+        return "megakernel"
+    # auto
+    if not x.is_cuda:
+        return "reference"
+    reason = megakernel_blocker(x, shape, config, ep_size)
+    if reason is None:
+        return "megakernel"
+    cuda_reason = gpu_backend_blocker(x)
+    if cuda_reason is None:
+        _log_once(f"megatron-mok: megakernel not used, falling back to the cuda backend: {reason}")
+        return "cuda"
+    _log_once(f"megatron-mok: CUDA backends not used, falling back to the reference backend: {cuda_reason}")
+    return "reference"
+
+
+@functools.lru_cache(maxsize=64)
+def _log_once(message: str) -> None:
+    log.warning(message)
+
+
+def run_backend(name, x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_group, config, shape):
+    """Run backend ``name`` on validated inputs."""
+    ep_size = 1 if ep_group is None else torch.distributed.get_world_size(ep_group)
+    if name == "reference":
+        from ..reference import reference_moe
+
+        check_expert_ids_on_host(topk_ids, shape.experts_per_rank * ep_size)
+        return reference_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight,
+                             ep_group=ep_group, tile_rows=config.tile_rows)
+    if name == "cuda":
+        from .cuda_backend import cuda_moe
+
+        return cuda_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight,
+                        ep_group=ep_group, config=config, shape=shape)
+    if name == "megakernel":
+        from .megakernel_backend import megakernel_moe
+
+        return megakernel_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight,
+                              ep_group=ep_group, config=config, shape=shape)
+    raise AssertionError(f"unknown backend {name}")

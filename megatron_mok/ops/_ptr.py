@@ -1,0 +1,24 @@
+"""Small helpers shared by the op modules: raw pointers and streams for ctypes calls."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+
+def ptr(t: Optional[torch.Tensor]) -> ctypes.c_void_p:
+    """Device (or pinned host) address of ``t``'s first element; NULL for None."""
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+
+def stream_of(t: torch.Tensor) -> ctypes.c_void_p:
+    """The current CUDA stream of ``t``'s device, as a cudaStream_t."""
+    return ctypes.c_void_p(torch.cuda.current_stream(t.device).cuda_stream)
+
+
+def pointer_table(tensors, device) -> torch.Tensor:
+    """int64 [len(tensors)] device tensor of the tensors' addresses (a device array of
+    pointers for the kernels)."""
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device)

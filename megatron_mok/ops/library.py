@@ -1,0 +1,138 @@
+"""Finding, building and loading the MoK CUDA library, and calling into it.
+
+Search order of :func:`load_library`:
+
+1. ``$MOK_LIBRARY`` (a path to ``libmegatron_mok.so``), if set: used as is;
+2. ``megatron_mok/lib/libmegatron_mok.so`` built by ``setup.py``, when its recorded source
+   hash matches ``csrc/`` (or when the sources are not shipped);
+3. the cache ``$MOK_CACHE_DIR`` (default ``~/.cache/megatron_mok``)/<source hash>/;
+4. a build into that cache folder with nvcc (a file lock keeps concurrent ranks to one build).
+
+Loading needs no GPU; launching does. Each kernel family's Python module declares the C
+signatures it calls with :meth:`MokLibrary.function`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Optional
+
+from .. import _build
+
+ABI_VERSION = 1
+_lock = threading.Lock()
+_library: Optional["MokLibrary"] = None
+
+
+class LibraryUnavailable(RuntimeError):
+    """The MoK CUDA library could not be found, built or loaded; the message says why."""
+
+
+class MokKernelError(RuntimeError):
+    """A MoK C entry point returned an error code."""
+
+
+class MokLibrary:
+    """The loaded ``libmegatron_mok.so`` with checked calls."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            self._dll = ctypes.CDLL(str(self.path))
+        except OSError as err:
+            raise LibraryUnavailable(f"cannot load {self.path}: {err}") from err
+        self._dll.mok_error_string.restype = ctypes.c_char_p
+        self._dll.mok_error_string.argtypes = [ctypes.c_int]
+        self._dll.mok_abi_version.restype = ctypes.c_int
+        version = self._dll.mok_abi_version()
+        if version != ABI_VERSION:
+            raise LibraryUnavailable(
+                f"{self.path} has ABI version {version}, this package needs {ABI_VERSION}; "
+                "rebuild it (python -m megatron_mok._build)"
+            )
+
+    def function(self, name: str, restype, argtypes):
+        """The C function ``name`` with its signature set (idempotent)."""
+        fn = getattr(self._dll, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+        return fn
+
+    def check(self, code: int, what: str) -> None:
+        """Raise :class:`MokKernelError` naming ``what`` when ``code`` is not MOK_OK."""
+        if code != 0:
+            message = self._dll.mok_error_string(code).decode()
+            raise MokKernelError(f"{what} failed: {message} (code {code})")
+
+
+def cache_root() -> Path:
+    """Folder of cached builds: ``$MOK_CACHE_DIR`` or ``~/.cache/megatron_mok``."""
+    return Path(os.environ.get("MOK_CACHE_DIR", Path.home() / ".cache" / "megatron_mok"))
+
+
+def _packaged_library() -> Optional[Path]:
+    lib_dir = _build.PACKAGE_DIR / "lib"
+    lib = lib_dir / _build.LIBRARY_NAME
+    if not lib.is_file():
+        return None
+    if not _build.CSRC_DIR.is_dir():
+        return lib  # installed from a wheel: the sources are not here to compare against
+    try:
+        recorded = json.loads((lib_dir / _build.BUILD_INFO_NAME).read_text())["source_hash"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return lib if recorded == _build.source_hash() else None
+
+
+def _cached_or_built_library() -> Path:
+    if not _build.CSRC_DIR.is_dir():
+        raise LibraryUnavailable(
+            "the package has no built library and no csrc/ sources to build one from; "
+            "reinstall megatron-mok with nvcc on PATH"
+        )
+    folder = cache_root() / _build.source_hash()
+    lib = folder / _build.LIBRARY_NAME
+    if lib.is_file():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            if not lib.is_file():
+                _build.build_library(folder)
+        except _build.BuildError as err:
+            raise LibraryUnavailable(f"building the MoK CUDA library failed: {err}") from err
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+    return lib
+
+
+def library_path() -> Path:
+    """Where the library to load is, building it into the cache if needed."""
+    override = os.environ.get("MOK_LIBRARY")
+    if override:
+        if not Path(override).is_file():
+            raise LibraryUnavailable(f"$MOK_LIBRARY={override} does not exist")
+        return Path(override)
+    packaged = _packaged_library()
+    if packaged is not None:
+        return packaged
+    return _cached_or_built_library()
+
+
+def load_library() -> MokLibrary:
+    """The process-wide :class:`MokLibrary` (found, built if needed, and loaded once).
+
+    Raises:
+        LibraryUnavailable: with what is missing (nvcc, sources) or what failed.
+    """
+    global _library
+    with _lock:
+        if _library is None:
+            _library = MokLibrary(library_path())
+        return _library

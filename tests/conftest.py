@@ -1,0 +1,29 @@
+"""Shared pytest setup: GPU tests skip with a printed reason where there is no sm_90 GPU."""
+
+import pytest
+import torch
+
+
+def gpu_skip_reason(min_gpus: int = 1):
+    """None when ``min_gpus`` sm_90 GPUs are present, else why GPU tests are skipped."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (GPU tests run on the H200 device machine)"
+    if torch.cuda.device_count() < min_gpus:
+        return f"needs {min_gpus} GPUs, this machine has {torch.cuda.device_count()}"
+    major, minor = torch.cuda.get_device_capability(0)
+    if (major, minor) != (9, 0):
+        return f"the MoK kernels need sm_90 (H100/H200), this GPU is sm_{major}{minor}"
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs one sm_90 GPU")
+    config.addinivalue_line("markers", "gpu2: needs two sm_90 GPUs")
+
+
+def pytest_collection_modifyitems(config, items):
+    reasons = {"gpu": gpu_skip_reason(1), "gpu2": gpu_skip_reason(2)}
+    for item in items:
+        for mark, reason in reasons.items():
+            if reason is not None and item.get_closest_marker(mark) is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,0 +1,35 @@
+"""Spawning P gloo ranks on the CPU for tests (one process per rank)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, port, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=180))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined in one
+    gloo group (the default group). A failure in any rank fails the caller with its traceback.
+    ``fn`` must be a module-level function."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
