@@ -1,0 +1,1 @@
+"""Benchmarks of MoK against the other MoE dispatchers (``python -m megatron_mok.bench``)."""
