@@ -95,3 +95,21 @@ def make_case(seed: int, tokens_per_rank: Sequence[int], hidden: int, ffn: int,
     w_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     return MoECase([t.to(dtype) for t in x], ids, [w.to(w_dtype) for w in weights],
                    [t.to(dtype) for t in dy], fc1.to(dtype), fc2.to(dtype), experts_per_rank)
+
+
+def grouped_oracle(x, ids, weights, fc1_all, fc2_all):
+    """The contract computed per expert over a batch of tokens, with plain autograd: fast
+    enough on a GPU for real sizes. Takes leaf tensors of any float dtype (use float32 or
+    float64); returns y [T, H]. Summation order is not fixed: an oracle, not a backend."""
+    T, K = ids.shape
+    inter = fc1_all.shape[1] // 2
+    y = torch.zeros(T, x.shape[1], dtype=x.dtype, device=x.device)
+    flat = ids.reshape(-1)
+    for e in torch.unique(flat[flat >= 0]).tolist():
+        routes = torch.nonzero(flat == e).reshape(-1)
+        tok, slot = routes // K, routes % K
+        v = x[tok]
+        h = torch.nn.functional.silu(v @ fc1_all[e, :inter].t()) * (v @ fc1_all[e, inter:].t())
+        out = (h @ fc2_all[e].t()) * weights[tok, slot][:, None]
+        y = y.index_add(0, tok, out)
+    return y

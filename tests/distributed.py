@@ -17,9 +17,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world_size, port, args):
+def _entry(rank, fn, world_size, port, backend, args):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
                             init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=180))
     try:
         fn(rank, world_size, *args)
@@ -27,9 +29,11 @@ def _entry(rank, fn, world_size, port, args):
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args) -> None:
+def run_ranks(fn, world_size: int, *args, backend: str = "gloo") -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined in one
-    gloo group (the default group). A failure in any rank fails the caller with its traceback.
-    ``fn`` must be a module-level function."""
+    process group (the default group; gloo, or nccl with rank r on GPU r). A failure in any
+    rank fails the caller with its traceback. ``fn`` must be a module-level function."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")
+    mp.spawn(_entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size, join=True)

@@ -9,13 +9,15 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ..config import MoKConfig, MoKConfigError
-from .backends import BackendUnavailable, select_backend, run_backend
+from .backends import BackendUnavailable, run_backend, select_backend
+from .groups import EPGroup, LocalEPGroup, LocalEPRank, group_size_rank
 from .validate import MoKInputError, check_backend_name, check_inputs
+from .workspace import MoKCapacityError, MoKRuntimeError, MoKTimeoutError, check_errors
 
-__all__ = ["mok_moe", "MoKInputError", "MoKConfigError", "BackendUnavailable"]
+__all__ = ["mok_moe", "check_errors", "LocalEPGroup", "MoKInputError", "MoKConfigError", "MoKCapacityError",
+           "MoKRuntimeError", "MoKTimeoutError", "BackendUnavailable"]
 
 
 def mok_moe(
@@ -25,7 +27,7 @@ def mok_moe(
     fc1_weight: torch.Tensor,
     fc2_weight: torch.Tensor,
     *,
-    ep_group: Optional[dist.ProcessGroup] = None,
+    ep_group: EPGroup = None,
     config: Optional[MoKConfig] = None,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -43,7 +45,8 @@ def mok_moe(
         fc1_weight: [E/P, 2I, H] local experts' fc1 (gate rows then up rows), as Megatron's
             fc1 Linear weight.
         fc2_weight: [E/P, H, I] local experts' fc2, as Megatron's fc2 Linear weight.
-        ep_group: the expert-parallel process group of P ranks; None means P = 1. Every rank
+        ep_group: the expert-parallel process group of P ranks; None means P = 1; a
+            :class:`LocalEPRank` for virtual ranks on one GPU (GPU backends only). Every rank
             of the group must call ``mok_moe`` the same number of times, in the same order.
         config: tunables (:class:`megatron_mok.MoKConfig`); None takes the defaults.
         backend: "auto" (the fastest available), "reference" (pure PyTorch, any device),
@@ -56,6 +59,9 @@ def mok_moe(
     Raises:
         MoKInputError, MoKConfigError: for unsupported arguments, before any GPU work.
         BackendUnavailable: when the requested backend cannot run here, saying why.
+        MoKCapacityError: more tokens than the GPU workspace was sized for.
+        MoKRuntimeError, MoKTimeoutError: a problem a kernel recorded during an earlier call
+            (a bad expert id, a peer that never arrived); see docs/architecture.md.
     """
     check_backend_name(backend)
     shape = check_inputs(x, topk_ids, topk_weights, fc1_weight, fc2_weight)
@@ -63,7 +69,7 @@ def mok_moe(
         config = MoKConfig()
     elif not isinstance(config, MoKConfig):
         raise MoKConfigError(f"config must be a MoKConfig or None, got {type(config).__name__}")
-    ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
+    ep_size, _ = group_size_rank(ep_group)
     config.check_experts(ep_size, shape.experts_per_rank)
     name = select_backend(backend, x, shape, config, ep_size)
     return run_backend(name, x, topk_ids, topk_weights, fc1_weight, fc2_weight,

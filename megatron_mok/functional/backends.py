@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..config import MoKConfig
+from .groups import LocalEPRank, group_size_rank
 from .validate import MoEShape, check_expert_ids_on_host
 
 log = logging.getLogger("megatron_mok")
@@ -49,6 +50,16 @@ def gpu_backend_blocker(x: torch.Tensor) -> Optional[str]:
     return _gpu_backend_blocker(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
+def cuda_blocker(x: torch.Tensor, shape: MoEShape, config: MoKConfig) -> Optional[str]:
+    """None when the ``cuda`` backend takes this call, else why it does not."""
+    reason = gpu_backend_blocker(x)
+    if reason is not None:
+        return reason
+    from .cuda_backend import unsupported_reason
+
+    return unsupported_reason(shape, config)
+
+
 def megakernel_blocker(x: torch.Tensor, shape: MoEShape, config: MoKConfig, ep_size: int) -> Optional[str]:
     """None when the forward megakernel takes this call, else why it does not."""
     reason = gpu_backend_blocker(x)
@@ -66,7 +77,7 @@ def select_backend(requested: str, x: torch.Tensor, shape: MoEShape, config: MoK
     if requested == "reference":
         return "reference"
     if requested == "cuda":
-        reason = gpu_backend_blocker(x)
+        reason = cuda_blocker(x, shape, config)
         if reason is not None:
             raise BackendUnavailable(f"backend='cuda' cannot run: {reason}")
         return "cuda"
@@ -81,7 +92,7 @@ def select_backend(requested: str, x: torch.Tensor, shape: MoEShape, config: MoK
     reason = megakernel_blocker(x, shape, config, ep_size)
     if reason is None:
         return "megakernel"
-    cuda_reason = gpu_backend_blocker(x)
+    cuda_reason = cuda_blocker(x, shape, config)
     if cuda_reason is None:
         _log_once(f"megatron-mok: megakernel not used, falling back to the cuda backend: {reason}")
         return "cuda"
@@ -96,10 +107,14 @@ def _log_once(message: str) -> None:
 
 def run_backend(name, x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_group, config, shape):
     """Run backend ``name`` on validated inputs."""
-    ep_size = 1 if ep_group is None else torch.distributed.get_world_size(ep_group)
+    ep_size, _ = group_size_rank(ep_group)
     if name == "reference":
         from ..reference import reference_moe
 
+        if isinstance(ep_group, LocalEPRank):
+            raise BackendUnavailable(
+                "the reference backend exchanges data with torch.distributed collectives; "
+                "virtual ranks (LocalEPGroup) run only the GPU backends")
         check_expert_ids_on_host(topk_ids, shape.experts_per_rank * ep_size)
         return reference_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight,
                              ep_group=ep_group, tile_rows=config.tile_rows)

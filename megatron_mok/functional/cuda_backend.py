@@ -1,0 +1,134 @@
+"""The ``cuda`` backend: MoK's communication as separate kernels, the expert FFN through
+grouped GEMMs on the expert-grouped, tile-padded layout. No host synchronisation anywhere in
+forward or backward (every row count stays on the device), so a whole step can be captured
+in a CUDA graph.
+
+Forward, on every rank (P ranks, L local experts):
+
+1. publish: copy x, topk_ids, topk_weights into this rank's workspace region; barrier;
+2. schedule: the table of routes to this rank's experts, from every rank's ids (peer reads);
+3. pull dispatch: x rows and router weights from their source ranks, grouped by expert;
+4. fc1 (grouped GEMM), SwiGLU times the router weight, fc2 (grouped GEMM);
+5. push combine: each output row to its (token, slot) on its home rank; barrier;
+6. y[t] = sum over slots j = 0 .. K-1 (fixed order).
+
+The router weight is applied inside the expert (on h, before fc2), as Megatron does; its
+gradient comes out of the SwiGLU backward. Backward mirrors the forward: publish dy;
+reverse-combine pulls it; fc2 dgrad, SwiGLU backward (d gate, d up, d router weight), fc1
+dgrad and the weight gradients; reverse-dispatch pushes dX and d router weight per slot;
+the fixed-order slot sum gives dx.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import GPU_TILE_ROWS, MoKConfig
+from ..ops import comm as comm_ops
+from ..ops import swiglu as swiglu_ops
+from .groups import EPGroup, group_size_rank
+from .validate import MoEShape
+from .workspace import Workspace, get_workspace
+
+SITE_FWD_DISPATCH, SITE_FWD_COMBINE, SITE_BWD_DISPATCH, SITE_BWD_COMBINE = 1, 2, 3, 4
+
+
+def unsupported_reason(shape: MoEShape, config: MoKConfig) -> str | None:
+    """Why the CUDA kernels cannot take this shape, or None."""
+    if config.tile_rows not in GPU_TILE_ROWS:
+        return f"tile_rows={config.tile_rows}; the GPU backends take {GPU_TILE_ROWS}"
+    if shape.hidden % 8:
+        return f"hidden size {shape.hidden} is not a multiple of 8 (16-byte row copies)"
+    if shape.ffn_hidden % 8:
+        return f"expert FFN size {shape.ffn_hidden} is not a multiple of 8 (16-byte vectors)"
+    if shape.experts_per_rank * 4 > 48 * 1024:
+        return f"{shape.experts_per_rank} experts per rank exceed the schedule kernel's 12288"
+    return None
+
+
+@dataclass(frozen=True)
+class _Call:
+    ws: Workspace
+    tile_rows: int
+    timeout_s: float
+    num_experts: int
+    comm_blocks: int
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm with int32 group end offsets kept on the device."""
+    return torch._grouped_mm(a, b, offs=ends)
+
+
+class _CudaMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, call: _Call):
+        ws = call.ws
+        ws.raise_if_failed(call.timeout_s)
+        T, K = topk_ids.shape
+        H = x.shape[1]
+        ws.publish(x, topk_ids, topk_weights)
+        ws.barrier(SITE_FWD_DISPATCH, call.timeout_s)
+        table, counts, offsets, capacity = ws.build_schedule(call.tile_rows)
+        ends = offsets[1:]
+        x_disp, w_disp = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, table, offsets,
+                                            K, capacity, H, True, call.comm_blocks)
+        ab = _grouped_mm(x_disp, fc1.transpose(1, 2), ends)          # [R, 2I]
+        hw = swiglu_ops.swiglu_forward(ab, w_disp, offsets)         # [R, I]
+        out_rows = _grouped_mm(hw, fc2.transpose(1, 2), ends)       # [R, H]
+        comm_ops.push_rows(ws.bases, ws.layout.slots, 0, table, offsets, K, out_rows, None, call.comm_blocks)
+        ws.barrier(SITE_FWD_COMBINE, call.timeout_s)
+        y, _ = comm_ops.sum_slots(ws.slots[:T], topk_ids, call.num_experts, None, ws.status)
+        # The workspace is shared by every layer: keep what the backward needs outside it.
+        ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab)
+        ws.mirror_status()
+        ctx.call = call
+        ctx.tokens = T
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab = ctx.saved_tensors
+        call: _Call = ctx.call
+        ws = call.ws
+        ws.raise_if_failed(call.timeout_s)
+        T, K, H = ctx.tokens, ws.layout.topk, ws.layout.hidden
+        capacity = table.shape[0]
+        ends = offsets[1:]
+        ws.publish(None, None, None, rows=dy.to(torch.bfloat16).contiguous())
+        ws.barrier(SITE_BWD_DISPATCH, call.timeout_s)
+        d_out, _ = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, 0, table, offsets, K, capacity, H,
+                                      False, call.comm_blocks)
+        g = _grouped_mm(d_out, fc2, ends)                                       # dL/d(hw) [R, I]
+        d_ab, dw_rows, hw = swiglu_ops.swiglu_backward(ab, w_disp, g, offsets, True)
+        d_fc2 = _grouped_mm(d_out.t(), hw, ends)                                # [L, H, I]
+        d_fc1 = _grouped_mm(d_ab.t(), x_disp, ends)                             # [L, 2I, H]
+        dx_rows = _grouped_mm(d_ab, fc1, ends)                                  # [R, H]
+        comm_ops.push_rows(ws.bases, ws.layout.slots, ws.layout.scalars, table, offsets, K, dx_rows, dw_rows,
+                           call.comm_blocks)
+        ws.barrier(SITE_BWD_COMBINE, call.timeout_s)
+        dx, dw = comm_ops.sum_slots(ws.slots[:T], topk_ids, call.num_experts, ws.scalars[:T], ws.status)
+        ws.mirror_status()
+        return dx, None, dw, d_fc1, d_fc2, None
+
+
+def cuda_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_group: EPGroup, config: MoKConfig,
+             shape: MoEShape) -> torch.Tensor:
+    """The ``cuda`` backend of :func:`megatron_mok.functional.mok_moe` (validated inputs).
+
+    Args: as ``mok_moe``: x bf16 [T, H]; topk_ids int64 [T, K]; topk_weights fp32 [T, K];
+        fc1_weight bf16 [L, 2I, H]; fc2_weight bf16 [L, H, I].
+
+    Returns:
+        y bf16 [T, H].
+    """
+    P, _ = group_size_rank(ep_group)
+    ws = get_workspace(ep_group, x.device, tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk,
+                       experts_per_rank=shape.experts_per_rank, config=config)
+    ws.timeout_s = float(config.timeout_s)
+    call = _Call(ws=ws, tile_rows=config.tile_rows, timeout_s=float(config.timeout_s),
+                 num_experts=P * shape.experts_per_rank, comm_blocks=0)
+    return _CudaMoE.apply(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
+                          fc1_weight, fc2_weight, call)

@@ -1,0 +1,71 @@
+"""Expert-parallel groups: a ``torch.distributed`` process group, or P virtual ranks in one
+process on one GPU (:class:`LocalEPGroup`, the test aid of DESIGN.md section 5).
+
+Virtual ranks let the cross-rank logic (peer pointers, flags, barriers) run where only one GPU
+is lent: each rank has its own buffers and its own stream, and the ranks' kernels run
+concurrently on the one device. They do not replace real multi-GPU runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+
+class LocalEPGroup:
+    """P expert-parallel ranks simulated in one process on one CUDA device.
+
+    Use one :class:`LocalEPRank` per rank as the ``ep_group`` of ``mok_moe``, and run each
+    rank's calls on its own stream (``torch.cuda.stream(group.streams[r])``), issuing the
+    ranks' calls one after another from the host; the device runs them concurrently.
+    """
+
+    def __init__(self, size: int, device: Optional[torch.device] = None):
+        if size < 1:
+            raise ValueError(f"LocalEPGroup size={size} must be at least 1")
+        self.size = size
+        self.device = torch.device(device if device is not None else torch.cuda.current_device())
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.streams = [torch.cuda.Stream(self.device) for _ in range(size)] if self.device.type == "cuda" else []
+        self.ranks = [LocalEPRank(self, r) for r in range(size)]
+        # Shared by the ranks: every rank's workspace of one shape is created together.
+        self.shared_workspaces: dict = {}
+
+    def __getitem__(self, rank: int) -> "LocalEPRank":
+        return self.ranks[rank]
+
+
+class LocalEPRank:
+    """Rank ``rank`` of a :class:`LocalEPGroup`; pass it as ``ep_group``."""
+
+    def __init__(self, group: LocalEPGroup, rank: int):
+        self.group = group
+        self.rank = rank
+
+    def size(self) -> int:
+        return self.group.size
+
+
+EPGroup = Union[None, dist.ProcessGroup, LocalEPRank]
+
+
+def group_size_rank(ep_group: EPGroup) -> Tuple[int, int]:
+    """(P, this rank's index) of an EP group; (1, 0) for None."""
+    if ep_group is None:
+        return 1, 0
+    if isinstance(ep_group, LocalEPRank):
+        return ep_group.group.size, ep_group.rank
+    return dist.get_world_size(ep_group), dist.get_rank(ep_group)
+
+
+def global_rank_name(ep_group: EPGroup, rank: int) -> str:
+    """How to name EP rank ``rank`` in a message: with its global rank when there is one."""
+    if isinstance(ep_group, dist.ProcessGroup):
+        try:
+            return f"EP rank {rank} (global rank {dist.get_global_rank(ep_group, rank)})"
+        except (RuntimeError, ValueError):
+            pass
+    return f"EP rank {rank}"

@@ -1,0 +1,322 @@
+"""The communication workspace: buffers every rank of the EP group reaches by peer pointer,
+allocated once per (EP group, device, hidden, top-k, experts per rank) and reused by every
+layer and step.
+
+Each rank holds one region with the same layout (:class:`SymmetricLayout`); peers read from
+it (pull) and write into it (push) through the base addresses in ``bases``. On a real EP
+group the regions are torch symmetric memory (multicast is never used); for P = 1 and for
+the virtual ranks of :class:`LocalEPGroup` they are plain device allocations.
+
+Size, fixed up front and independent of the routing, per rank, for capacity T_cap tokens:
+``8P + 16 + T_cap*K*(8 + 4) + T_cap*H*2 + T_cap*K*H*2`` bytes (plus alignment): the
+per-(token, slot) rows dominate. Per-call tensors (the schedule table and the
+expert-grouped activations) are sized by the worst case ``P*T_cap*K + L*(tile-1)`` rows.
+
+Reuse across calls is safe because every call has two barriers: peers read this rank's
+published rows only between the first and the second barrier of a call, and write into its
+slots only in that window too, while this rank rewrites its rows before the first barrier
+and reads its slots after the second (docs/architecture.md, "Buffer reuse").
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..config import MoKConfig
+from ..ops import comm as comm_ops
+from ..ops import schedule as schedule_ops
+from .groups import EPGroup, LocalEPRank, global_rank_name, group_size_rank
+
+# Which barrier a timeout happened at (the kernel records the number).
+SITE_NAMES = {
+    1: "forward dispatch (waiting for every rank to publish its tokens)",
+    2: "forward combine (waiting for every rank to push its expert outputs)",
+    3: "backward (waiting for every rank to publish its output gradients)",
+    4: "backward (waiting for every rank to push its input gradients)",
+}
+STATUS_BAD_EXPERT_ID, STATUS_TOO_MANY_TOKENS, STATUS_TIMEOUT = 1, 2, 4
+_ALIGN = 256
+
+
+class MoKRuntimeError(RuntimeError):
+    """A problem detected on the device during an earlier MoK call (bad expert ids, a token
+    count above capacity, a peer that did not arrive). The workspace is unusable afterwards:
+    ranks may be out of step, so training must stop (as after an NCCL error)."""
+
+
+class MoKTimeoutError(MoKRuntimeError):
+    """A peer rank did not arrive at a MoK barrier within ``MoKConfig.timeout_s``."""
+
+
+class MoKCapacityError(ValueError):
+    """A call has more tokens than the workspace was sized for."""
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass(frozen=True)
+class SymmetricLayout:
+    """Byte offsets of the buffers in every rank's region (the same on all ranks).
+
+    signals: uint64 [P], barrier flags peers write; ntok: int32, this rank's T;
+    ids: int64 [T_cap, K]; scalars: fp32 [T_cap, K] (router weights out, dw slots in);
+    rows: bf16 [T_cap, H] (x in the forward, dy in the backward);
+    slots: bf16 [T_cap, K, H] (expert outputs in the forward, dx per slot in the backward).
+    """
+
+    P: int
+    max_tokens: int
+    topk: int
+    hidden: int
+    signals: int
+    ntok: int
+    ids: int
+    scalars: int
+    rows: int
+    slots: int
+    total: int
+
+    @staticmethod
+    def plan(P: int, max_tokens: int, topk: int, hidden: int) -> "SymmetricLayout":
+        sizes = [("signals", 8 * P), ("ntok", 16), ("ids", 8 * max_tokens * topk),
+                 ("scalars", 4 * max_tokens * topk), ("rows", 2 * max_tokens * hidden),
+                 ("slots", 2 * max_tokens * topk * hidden)]
+        offsets, at = {}, 0
+        for name, size in sizes:
+            offsets[name] = at
+            at += _align(max(size, 1))
+        return SymmetricLayout(P=P, max_tokens=max_tokens, topk=topk, hidden=hidden, total=at, **offsets)
+
+
+class Workspace:
+    """One rank's view of the workspace: its region, the peers' base addresses, the barrier
+    counter, the status word and the schedule scratch memory."""
+
+    def __init__(self, *, ep_group: EPGroup, rank: int, layout: SymmetricLayout, region: torch.Tensor,
+                 bases: List[int], experts_per_rank: int):
+        self.ep_group = ep_group
+        self.rank = rank
+        self.P = layout.P
+        self.layout = layout
+        self.region = region  # uint8 [layout.total], this rank's
+        self.device = region.device
+        self.experts_per_rank = experts_per_rank
+        self.timeout_s = float("nan")  # set by every call, for messages
+        _every_workspace.add(self)
+        T, K, H = layout.max_tokens, layout.topk, layout.hidden
+        as_dev = lambda vals: torch.tensor(vals, dtype=torch.int64).to(self.device)
+        self.bases = as_dev(bases)
+        self.signal_bases = as_dev([b + layout.signals for b in bases])
+        self.ids_ptrs = as_dev([b + layout.ids for b in bases])
+        self.ntok_ptrs = as_dev([b + layout.ntok for b in bases])
+        self.counter = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # Kernels record problems in `status` (device memory, device atomics); each call ends
+        # with an asynchronous copy into `status_host` (pinned), which the host reads at the
+        # next call without synchronising.
+        self.status = torch.zeros(8, dtype=torch.int32, device=self.device)
+        self.status_host = torch.zeros(8, dtype=torch.int32, pin_memory=True)
+        self.scratch = torch.empty(max(1, schedule_ops.scratch_ints(self.P, T, K, experts_per_rank)),
+                                   dtype=torch.int32, device=self.device)
+        view = lambda off, n, dtype: region[off:off + n * dtype.itemsize].view(dtype)
+        self.ntok = view(layout.ntok, 1, torch.int32)
+        self.ids = view(layout.ids, T * K, torch.int64).view(T, K)
+        self.scalars = view(layout.scalars, T * K, torch.float32).view(T, K)
+        self.rows = view(layout.rows, T * H, torch.bfloat16).view(T, H)
+        self.slots = view(layout.slots, T * K * H, torch.bfloat16).view(T, K, H)
+
+    # -- capacity and status ---------------------------------------------------------------
+
+    def check_tokens(self, tokens: int) -> None:
+        """Raise :class:`MoKCapacityError` if ``tokens`` exceeds the capacity."""
+        if tokens > self.layout.max_tokens:
+            raise MoKCapacityError(
+                f"this call has {tokens} tokens on EP rank {self.rank}, but the MoK workspace "
+                f"holds {self.layout.max_tokens} per rank (agreed at the first call); set "
+                f"MoKConfig.max_tokens_per_rank (--mok-max-tokens-per-rank) to the largest "
+                f"token count any rank will see"
+            )
+
+    def mirror_status(self) -> None:
+        """Queue the copy of the device status word to the host (end of every call)."""
+        self.status_host.copy_(self.status, non_blocking=True)
+
+    def raise_if_failed(self, timeout_s: float) -> None:
+        """Raise the error an earlier call's kernels recorded, if any. Reads the pinned host
+        copy: no device synchronisation (a problem shows up at the next call, or at once
+        after a synchronisation)."""
+        flags = int(self.status_host[0])
+        if flags == 0:
+            return
+        value, peer, site, rank = (int(v) for v in self.status_host[1:5])
+        if flags & STATUS_TIMEOUT:
+            raise MoKTimeoutError(
+                f"MoK: {global_rank_name(self.ep_group, rank)} waited more than {timeout_s:g} s for "
+                f"{global_rank_name(self.ep_group, peer)} at the {SITE_NAMES.get(site, f'site {site}')}; "
+                "that rank did not enter the same MoK layer call (every rank of the EP group must "
+                "run the MoE layers in the same order), or it failed. Outputs of that call are NaN."
+            )
+        if flags & STATUS_BAD_EXPERT_ID:
+            E = self.experts_per_rank * self.P
+            raise MoKRuntimeError(
+                f"MoK: topk_ids held expert id {value} (seen on EP rank {rank}); ids must lie in "
+                f"[0, {E}) or be -1 for an unused slot. Those routes were left out and the "
+                "output of that call is NaN."
+            )
+        if flags & STATUS_TOO_MANY_TOKENS:
+            raise MoKRuntimeError(
+                f"MoK: a rank published {value} tokens, above the workspace capacity "
+                f"{self.layout.max_tokens}; set MoKConfig.max_tokens_per_rank on every rank."
+            )
+        raise MoKRuntimeError(f"MoK: unknown status flags {flags:#x}")
+
+    # -- per-call steps --------------------------------------------------------------------
+
+    def publish(self, x: Optional[torch.Tensor], ids: Optional[torch.Tensor], scalars: Optional[torch.Tensor],
+                rows: Optional[torch.Tensor] = None) -> None:
+        """Copy this rank's inputs into its region for the peers to pull."""
+        if ids is not None:
+            self.ids[: ids.shape[0]].copy_(ids)
+            self.ntok.fill_(ids.shape[0])
+        if scalars is not None:
+            self.scalars[: scalars.shape[0]].copy_(scalars)
+        src = x if x is not None else rows
+        if src is not None:
+            self.rows[: src.shape[0]].copy_(src)
+
+    def barrier(self, site: int, timeout_s: float) -> None:
+        """Device-side barrier of the EP group (no-op for P = 1)."""
+        if self.P == 1:
+            return
+        comm_ops.barrier(self.signal_bases, self.rank, self.counter, int(timeout_s * 1e9), site, self.status)
+
+    def build_schedule(self, tile_rows: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Run the schedule kernel over every rank's published ids.
+
+        Returns:
+            (table int32 [R_cap, 2], counts int32 [L], offsets int32 [L + 1], R_cap).
+        """
+        L, K, T = self.experts_per_rank, self.layout.topk, self.layout.max_tokens
+        capacity = schedule_ops.table_rows(self.P, T, K, L, tile_rows)
+        table = torch.empty((capacity, 2), dtype=torch.int32, device=self.device)
+        counts = torch.empty(L, dtype=torch.int32, device=self.device)
+        offsets = torch.empty(L + 1, dtype=torch.int32, device=self.device)
+        schedule_ops.build_schedule_op(self.ids_ptrs, self.ntok_ptrs, T, K, self.rank, L, tile_rows,
+                                       table, counts, offsets, self.scratch, self.status)
+        return table, counts, offsets, capacity
+
+
+# ----------------------------------------------------------------------------------------------
+# Creation and the cache.
+
+_workspaces: Dict[tuple, Workspace] = {}
+_every_workspace: "weakref.WeakSet[Workspace]" = weakref.WeakSet()  # virtual ranks' too
+
+
+def _zeroed_region(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+
+def _agree_on_capacity(ep_group: dist.ProcessGroup, tokens: int, device: torch.device) -> int:
+    t = torch.tensor([tokens], dtype=torch.int64, device=device if dist.get_backend(ep_group) == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ep_group)
+    return int(t.item())
+
+
+def _symmetric_region(ep_group: dist.ProcessGroup, nbytes: int, device: torch.device) -> Tuple[torch.Tensor, List[int]]:
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # MoK never uses multicast
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(ep_group.group_name)
+    region = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(region, ep_group)
+    region.zero_()
+    torch.cuda.synchronize(device)
+    dist.barrier(group=ep_group)  # nobody signals a peer before the peer has zeroed its flags
+    region._mok_handle = handle  # keep the mapping alive as long as the region
+    return region, list(handle.buffer_ptrs)
+
+
+def get_workspace(ep_group: EPGroup, device: torch.device, *, tokens: int, hidden: int, topk: int,
+                  experts_per_rank: int, config: MoKConfig) -> Workspace:
+    """The workspace of this rank for the call's shape, created at the first call.
+
+    Creation is collective on a process group (an all-reduce agrees on the token capacity,
+    then a symmetric-memory rendezvous): every rank must make its first call together, as it
+    does in a model's first forward. Raises :class:`MoKCapacityError` for a later call with
+    more tokens than the capacity (a single rank, P = 1, simply grows its workspace).
+    """
+    P, rank = group_size_rank(ep_group)
+    dev_index = device.index if device.index is not None else torch.cuda.current_device()
+    shape_key = (dev_index, hidden, topk, experts_per_rank)
+
+    if isinstance(ep_group, LocalEPRank):
+        shared = ep_group.group.shared_workspaces
+        if shape_key not in shared:
+            if config.max_tokens_per_rank is None:
+                raise MoKCapacityError(
+                    "virtual EP ranks (LocalEPGroup) need MoKConfig.max_tokens_per_rank: the "
+                    "workspaces of all ranks are created together, before every rank's token "
+                    "count is known")
+            T = config.max_tokens_per_rank
+            layout = SymmetricLayout.plan(P, T, topk, hidden)
+            regions = [_zeroed_region(layout.total, device) for _ in range(P)]
+            torch.cuda.synchronize(device)  # zeroed before any rank's stream signals into it
+            bases = [r.data_ptr() for r in regions]
+            shared[shape_key] = [Workspace(ep_group=ep_group.group.ranks[r], rank=r, layout=layout,
+                                           region=regions[r], bases=bases, experts_per_rank=experts_per_rank)
+                                 for r in range(P)]
+        ws = shared[shape_key][rank]
+        ws.check_tokens(tokens)
+        return ws
+
+    group_key = "single" if ep_group is None else ep_group.group_name
+    key = (group_key,) + shape_key
+    ws = _workspaces.get(key)
+    if ws is not None:
+        if ep_group is None and tokens > ws.layout.max_tokens:
+            ws = None  # one rank: nobody else to agree with, so grow
+        else:
+            ws.check_tokens(tokens)
+            return ws
+    if ep_group is None:
+        T = max(tokens, config.max_tokens_per_rank or 0, 1)
+        layout = SymmetricLayout.plan(1, T, topk, hidden)
+        region = _zeroed_region(layout.total, device)
+        ws = Workspace(ep_group=None, rank=0, layout=layout, region=region, bases=[region.data_ptr()],
+                       experts_per_rank=experts_per_rank)
+    else:
+        T = config.max_tokens_per_rank or _agree_on_capacity(ep_group, tokens, device)
+        T = max(T, 1)
+        layout = SymmetricLayout.plan(P, T, topk, hidden)
+        region, bases = _symmetric_region(ep_group, layout.total, device)
+        ws = Workspace(ep_group=ep_group, rank=rank, layout=layout, region=region, bases=bases,
+                       experts_per_rank=experts_per_rank)
+        ws.check_tokens(tokens)
+    _workspaces[key] = ws
+    return ws
+
+
+def check_errors() -> None:
+    """Synchronise the current device and raise any error a MoK kernel recorded in a
+    workspace of this process (a bad expert id, a capacity overflow, a peer timeout).
+
+    MoK never synchronises inside a layer call; problems are raised at the next call of a
+    layer with that workspace, or here. Call it where a step ends, if you want errors there.
+    """
+    torch.cuda.synchronize()
+    for ws in list(_every_workspace):
+        ws.raise_if_failed(ws.timeout_s)
+
+
+def release_workspaces() -> None:
+    """Drop every cached workspace (tests; a model that changes shape for good)."""
+    _workspaces.clear()

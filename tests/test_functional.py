@@ -1,0 +1,122 @@
+"""The public entry point's checks: bad inputs and bad tunables fail with clear messages before
+any GPU work; backend selection says why a backend cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mok import MoKConfig, MoKConfigError
+from megatron_mok.config import default_minibatch_rows
+from megatron_mok.functional import BackendUnavailable, MoKInputError, mok_moe
+
+from .cases import make_case
+from .distributed import run_ranks
+
+
+def _args(T=6, H=8, I=4, L=3, K=2, dtype=torch.float32):
+    case = make_case(0, [T], H, I, L, K, dtype=dtype)
+    return [case.x[0], case.ids[0], case.weights[0].float(), case.local_fc1(0), case.local_fc2(0)]
+
+
+@pytest.mark.parametrize("index,bad,message", [
+    (0, lambda a: a.to(torch.int32), "x has dtype torch.int32"),
+    (1, lambda a: a.to(torch.int32), "topk_ids has dtype torch.int32; it must be torch.int64"),
+    (2, lambda a: a.to(torch.bfloat16), "topk_weights has dtype torch.bfloat16; it must be torch.float32"),
+    (3, lambda a: a.to(torch.float64), "fc1_weight has dtype torch.float64 but x has torch.float32"),
+    (0, lambda a: a[:, :4], r"fc1_weight is \(3, 8, 8\); it must be \[E/P, 2I, H\] with H = 4"),
+    (1, lambda a: a[:5], r"topk_ids is \(5, 2\)"),
+    (2, lambda a: a[:, :1], r"topk_weights is \(6, 1\)"),
+    (4, lambda a: a[:, :, :3], r"fc2_weight is \(3, 8, 3\); it must be \[E/P, H, I\] = \(3, 8, 4\)"),
+    (3, lambda a: a[0], r"fc1_weight has shape \(8, 8\); it must be 3-D"),
+    (3, lambda a: a[:, :7], "even, non-zero 2I"),
+])
+def test_bad_inputs_are_clear_errors(index, bad, message):
+    args = _args()
+    args[index] = bad(args[index])
+    with pytest.raises(MoKInputError, match=message):
+        mok_moe(*args, backend="reference")
+
+
+def test_expert_id_out_of_range_is_a_clear_error():
+    args = _args()
+    args[1] = args[1].clone()
+    args[1][2, 0] = 3  # E = 3 experts at P = 1
+    with pytest.raises(MoKInputError, match=r"expert id 3; ids must lie in \[0, 3\)"):
+        mok_moe(*args, backend="reference")
+    args[1][2, 0] = -2
+    with pytest.raises(MoKInputError, match="expert id -2"):
+        mok_moe(*args, backend="reference")
+
+
+def _indivisible_worker(rank, world):
+    import torch.distributed as dist
+
+    args = _args()
+    with pytest.raises(MoKConfigError, match="num_experts=5 is not divisible by the expert-parallel size 2"):
+        mok_moe(*args, ep_group=dist.group.WORLD, config=MoKConfig(num_experts=5), backend="reference")
+    with pytest.raises(MoKConfigError, match="gives 4 experts per rank, but the expert weights hold 3"):
+        mok_moe(*args, ep_group=dist.group.WORLD, config=MoKConfig(num_experts=8), backend="reference")
+
+
+def test_experts_not_divisible_by_ep_size_is_a_clear_error():
+    run_ranks(_indivisible_worker, 2)
+
+
+def test_unknown_backend_and_unavailable_backend():
+    args = _args()
+    with pytest.raises(MoKInputError, match="backend='fast' is not one of"):
+        mok_moe(*args, backend="fast")
+    with pytest.raises(BackendUnavailable, match="backend='cuda' cannot run: the tensors are on cpu"):
+        mok_moe(*args, backend="cuda")
+    # auto on the CPU runs the reference backend
+    y = mok_moe(*args)
+    assert y.shape == args[0].shape and torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tile_rows=96), "tile_rows=96 is not supported"),
+    (dict(tile_rows=0), "tile_rows=0"),
+    (dict(timeout_s=0), "timeout_s=0 must be a positive"),
+    (dict(timeout_s=float("inf")), "timeout_s=inf"),
+    (dict(comm_sms_forward=0), "comm_sms_forward=0 must be None"),
+    (dict(minibatch_rows=100), "minibatch_rows=100 must be a multiple of tile_rows=128"),
+    (dict(minibatch_rows=256, ring_rows=384), "ring_rows=384 must be a multiple of minibatch_rows=256"),
+    (dict(minibatch_rows=256, ring_rows=256), "at least two minibatches"),
+    (dict(max_tokens_per_rank=True), "max_tokens_per_rank=True"),
+])
+def test_bad_config_values_are_clear_errors(kwargs, message):
+    with pytest.raises(MoKConfigError, match=message):
+        MoKConfig(**kwargs)
+
+
+def test_comm_sms_must_leave_compute_sms():
+    with pytest.raises(MoKConfigError, match="comm_sms_backward=132 leaves no compute SM"):
+        MoKConfig(comm_sms_backward=132).resolve(hidden=7168, ffn_hidden=2048, num_sms=132)
+
+
+def test_default_heuristic_gives_two_waves():
+    cfg = MoKConfig().resolve(hidden=7168, ffn_hidden=2048, num_sms=132, ep_size=2)
+    assert cfg.comm_sms_forward == 8 and cfg.comm_sms_backward == 8
+    compute = 132 - 8
+    tiles_fc1 = cfg.minibatch_rows // 128 * (2 * 2048 // 256)
+    tiles_fc2 = cfg.minibatch_rows // 128 * (7168 // 256)
+    assert tiles_fc1 >= 2 * compute and tiles_fc2 >= 2 * compute
+    # ... and is the smallest such multiple of the tile
+    smaller = cfg.minibatch_rows - 128
+    assert smaller // 128 * 16 < 2 * compute or smaller // 128 * 28 < 2 * compute
+    assert cfg.ring_rows == 4 * cfg.minibatch_rows
+    assert MoKConfig().resolve(hidden=1024, ffn_hidden=512, ep_size=1).comm_sms_forward == 1
+    assert default_minibatch_rows(hidden=7168, ffn_hidden=2048, compute_sms=124, tile_rows=128) == 2048
+
+
+def test_import_without_gpu():
+    """`import megatron_mok` needs no GPU and no Megatron (a fresh interpreter, GPUs hidden)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    code = "import megatron_mok, megatron_mok.functional, sys; assert 'megatron.core' not in sys.modules"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
