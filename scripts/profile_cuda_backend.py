@@ -1,0 +1,119 @@
+"""Time the ``cuda`` backend's forward and backward on one GPU, whole and stage by stage, next to
+the floors of DESIGN.md section 6. P = 1 reproduces the expert load of EP = P' when the rank
+holds E / P' experts and T tokens (the same T * K routes land on its experts); only the
+NVLink part is missing.
+
+    python scripts/profile_cuda_backend.py --tokens 4096 --hidden 7168 --ffn 2048 \
+        --experts 192 --topk 8 [--routing uniform|zipf|duplicates]
+
+Prints one line per stage (median ms over --iters) and the totals with TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from megatron_mok import MoKConfig
+from megatron_mok.functional import mok_moe
+from megatron_mok.functional.workspace import get_workspace
+from megatron_mok.ops import comm as comm_ops
+from megatron_mok.ops import swiglu as swiglu_ops
+
+GEMM_TFLOPS = 792.0   # dense bf16 GEMM on H200 (shared/device-facts.md)
+HBM_GBPS = 4153.0     # device-to-device copy, read + write
+
+
+def median_ms(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--ffn", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=192)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--routing", default="uniform", choices=["uniform", "zipf", "duplicates"])
+    p.add_argument("--iters", type=int, default=10)
+    a = p.parse_args()
+    T, H, I, L, K = a.tokens, a.hidden, a.ffn, a.experts, a.topk
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    x = torch.randn(T, H, device=dev).bfloat16().requires_grad_()
+    if a.routing == "duplicates" or K > L:
+        ids = torch.randint(0, L, (T, K), device=dev)
+    elif a.routing == "zipf":
+        pop = 1.0 / torch.arange(1, L + 1, device=dev, dtype=torch.float64) ** 1.2
+        ids = torch.multinomial(pop.expand(T, L), K, replacement=False)
+    else:
+        ids = torch.rand(T, L, device=dev).argsort(dim=1)[:, :K]
+    w = torch.rand(T, K, device=dev).requires_grad_()
+    fc1 = (torch.randn(L, 2 * I, H, device=dev) / H ** 0.5).bfloat16().requires_grad_()
+    fc2 = (torch.randn(L, H, I, device=dev) / I ** 0.5).bfloat16().requires_grad_()
+    dy = torch.randn(T, H, device=dev).bfloat16()
+    cfg = MoKConfig()
+
+    flops = 6 * T * K * H * I
+    weight_bytes = 3 * H * I * 2 * L
+    floor_ms = max(flops / GEMM_TFLOPS / 1e9, weight_bytes / HBM_GBPS / 1e6)
+    fwd = median_ms(lambda: mok_moe(x, ids, w, fc1, fc2, config=cfg, backend="cuda"), a.iters)
+
+    def fwd_bwd():
+        mok_moe(x, ids, w, fc1, fc2, config=cfg, backend="cuda").backward(dy)
+
+    total = median_ms(fwd_bwd, a.iters)
+    print(f"shape T={T} H={H} I={I} L={L} K={K} routing={a.routing}")
+    print(f"forward  {fwd:8.3f} ms  {flops / fwd / 1e9:6.1f} TFLOP/s   floor {floor_ms:.3f} ms")
+    print(f"backward {total - fwd:8.3f} ms  {2 * flops / (total - fwd) / 1e9:6.1f} TFLOP/s")
+
+    # Stage by stage (forward), on the same workspace.
+    ws = get_workspace(None, dev, tokens=T, hidden=H, topk=K, experts_per_rank=L, config=cfg)
+    ws.publish(x.detach(), ids, w.detach())
+    table, counts, offsets, cap = ws.build_schedule(128)
+    ends = offsets[1:]
+    x_disp, w_disp = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, table, offsets,
+                                        K, cap, H, True, 0)
+    ab = torch._grouped_mm(x_disp, fc1.detach().transpose(1, 2), offs=ends)
+    hw = swiglu_ops.swiglu_forward(ab, w_disp, offsets)
+    out = torch._grouped_mm(hw, fc2.detach().transpose(1, 2), offs=ends)
+    rows = int(offsets[-1])
+    stages = {
+        "publish": lambda: ws.publish(x.detach(), ids, w.detach()),
+        "schedule": lambda: ws.build_schedule(128),
+        "pull": lambda: comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, table, offsets,
+                                           K, cap, H, True, 0),
+        "fc1": lambda: torch._grouped_mm(x_disp, fc1.detach().transpose(1, 2), offs=ends),
+        "swiglu": lambda: swiglu_ops.swiglu_forward(ab, w_disp, offsets),
+        "fc2": lambda: torch._grouped_mm(hw, fc2.detach().transpose(1, 2), offs=ends),
+        "push": lambda: comm_ops.push_rows(ws.bases, ws.layout.slots, 0, table, offsets, K, out, None, 0),
+        "sum": lambda: comm_ops.sum_slots(ws.slots[:T], ids, L, None, ws.status),
+    }
+    row_bytes = rows * H * 2
+    for name, fn in stages.items():
+        ms = median_ms(fn, a.iters)
+        extra = ""
+        if name in ("pull", "push"):
+            extra = f"  {2 * row_bytes / ms / 1e6:7.1f} GB/s (read+write)"
+        if name in ("fc1", "fc2"):
+            n = 2 * I if name == "fc1" else H
+            kdim = H if name == "fc1" else I
+            extra = f"  {2 * rows * n * kdim / ms / 1e9:6.1f} TFLOP/s on {rows} padded rows"
+        print(f"  {name:9s}{ms:8.3f} ms{extra}")
+
+
+if __name__ == "__main__":
+    main()
