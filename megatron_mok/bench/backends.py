@@ -1,0 +1,258 @@
+"""The backends the layer benchmark compares, behind one small interface.
+
+A backend is prepared for one rank's expert weights (:class:`Experts`) and then runs the
+forward of any batch of tokens (:class:`TokenBatch`, :meth:`Runner.forward`); the caller runs
+the backward on the returned tensor and reads the gradients with :meth:`Runner.grads`.
+A backend that cannot run here raises :class:`Skip` with the reason, while being prepared
+or on its first call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import megatron_layer
+from .a2a_baseline import Mark, a2a_grouped_mm_moe
+
+MOK_BACKENDS = {"mok-megakernel": "megakernel", "mok-cuda": "cuda", "reference": "reference"}
+"""Benchmark backend name -> ``mok_moe(backend=...)``."""
+
+BACKENDS: Dict[str, str] = {
+    "mok-megakernel": "MoK megakernel: dispatch, expert FFN and combine in one persistent kernel",
+    "mok-cuda": "MoK cuda backend: comm kernels + grouped GEMM",
+    "a2a-grouped-mm": "all_to_all_single (NCCL; gloo on CPU) + torch._grouped_mm, plain PyTorch",
+    "megatron-alltoall": "Megatron-Core MoELayer, alltoall dispatcher, SequentialMLP experts (local spec)",
+    "megatron-flex-deepep": "Megatron-Core MoELayer, flex dispatcher on DeepEP, SequentialMLP experts",
+    "megatron-flex-hybridep": "Megatron-Core MoELayer, flex dispatcher on HybridEP, SequentialMLP experts",
+    "reference": "MoK reference backend: pure PyTorch, the oracle (slow)",
+}
+"""Every backend the benchmark knows, in the order it runs and reports them."""
+
+DEFAULT_GPU_BACKENDS = tuple(n for n in BACKENDS if n != "reference")
+DEFAULT_CPU_BACKENDS = ("a2a-grouped-mm", "reference")
+
+
+class Skip(RuntimeError):
+    """The backend cannot run here; the message says why."""
+
+
+@dataclass
+class TokenBatch:
+    """One rank's tokens and routing (leaves of the autograd graph where marked).
+
+    Attributes:
+        x: [T, H] tokens, requires grad.
+        topk_ids: int64 [T, K] global expert ids.
+        topk_weights: float32 [T, K], requires grad.
+        dy: [T, H] the upstream gradient of the backward.
+    """
+
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    dy: torch.Tensor
+
+    def head(self, tokens: int) -> "TokenBatch":
+        """The first ``tokens`` tokens, as new leaves."""
+        leaf = lambda t: t[:tokens].detach().clone().requires_grad_(t.requires_grad)
+        return TokenBatch(x=leaf(self.x), topk_ids=self.topk_ids[:tokens].clone(),
+                          topk_weights=leaf(self.topk_weights), dy=self.dy[:tokens].clone())
+
+
+@dataclass
+class Experts:
+    """This rank's expert weights and the EP group.
+
+    Attributes:
+        fc1_weight: [L, 2I, H], requires grad; fc2_weight: [L, H, I], requires grad.
+        num_experts: E = L * P.
+        group: the EP group (None for P = 1).
+    """
+
+    fc1_weight: torch.Tensor
+    fc2_weight: torch.Tensor
+    num_experts: int
+    group: Optional[dist.ProcessGroup]
+
+    @property
+    def ep_size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+
+Grads = Dict[str, torch.Tensor]
+"""{"x": [T, H], "topk_weights": [T, K], "fc1_weight": [L, 2I, H], "fc2_weight": [L, H, I]}"""
+
+
+class Runner:
+    """A backend prepared for one set of expert weights; it runs any :class:`TokenBatch`."""
+
+    name = ""
+
+    def forward(self, batch: TokenBatch, mark: Mark = None) -> torch.Tensor:
+        """Run the forward on ``batch``; returns y [T, H], attached to the autograd graph."""
+        raise NotImplementedError
+
+    def grads(self, batch: TokenBatch) -> Grads:
+        """Gradients accumulated by the backward(s) of ``batch`` since :meth:`zero_grad`."""
+        raise NotImplementedError
+
+    def zero_grad(self, batch: TokenBatch) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the runner holds (a Megatron layer's copy of the weights)."""
+
+
+class _LeafGradsRunner(Runner):
+    """A runner whose differentiable inputs are the batch's and the experts' leaves."""
+
+    def __init__(self, experts: Experts):
+        self.experts = experts
+
+    def grads(self, batch: TokenBatch) -> Grads:
+        return {"x": batch.x.grad, "topk_weights": batch.topk_weights.grad,
+                "fc1_weight": self.experts.fc1_weight.grad, "fc2_weight": self.experts.fc2_weight.grad}
+
+    def zero_grad(self, batch: TokenBatch) -> None:
+        for t in (batch.x, batch.topk_weights, self.experts.fc1_weight, self.experts.fc2_weight):
+            t.grad = None
+
+
+class MokRunner(_LeafGradsRunner):
+    """``megatron_mok.functional.mok_moe`` with a fixed backend."""
+
+    def __init__(self, name: str, experts: Experts):
+        super().__init__(experts)
+        self.name = name
+        self.backend = MOK_BACKENDS[name]
+        try:
+            from megatron_mok.functional import BackendUnavailable, mok_moe
+        except ImportError as err:
+            raise Skip(f"megatron_mok.functional does not import ({err})") from err
+        self._mok_moe = mok_moe
+        self._unavailable = BackendUnavailable
+
+    def forward(self, batch: TokenBatch, mark: Mark = None) -> torch.Tensor:
+        e = self.experts
+        try:
+            return self._mok_moe(batch.x, batch.topk_ids, batch.topk_weights, e.fc1_weight,
+                                 e.fc2_weight, ep_group=e.group, backend=self.backend)
+        except self._unavailable as err:
+            raise Skip(str(err)) from err
+        except ImportError as err:
+            raise Skip(f"backend {self.backend!r} is not part of this build ({err})") from err
+
+
+class A2ARunner(_LeafGradsRunner):
+    """:func:`megatron_mok.bench.a2a_baseline.a2a_grouped_mm_moe`."""
+
+    name = "a2a-grouped-mm"
+
+    def __init__(self, experts: Experts):
+        super().__init__(experts)
+        if not hasattr(torch, "_grouped_mm"):
+            raise Skip(f"torch {torch.__version__} has no torch._grouped_mm")
+        w = experts.fc1_weight
+        if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
+            raise Skip("torch._grouped_mm needs sm_90 or newer on CUDA")
+
+    def forward(self, batch: TokenBatch, mark: Mark = None) -> torch.Tensor:
+        e = self.experts
+        return a2a_grouped_mm_moe(batch.x, batch.topk_ids, batch.topk_weights, e.fc1_weight,
+                                  e.fc2_weight, ep_group=e.group, mark=mark)
+
+
+class MegatronRunner(Runner):
+    """Megatron-Core's MoELayer (:mod:`megatron_mok.bench.megatron_layer`), holding its own
+    copy of the expert weights."""
+
+    def __init__(self, name: str, experts: Experts, topk: int):
+        self.name = name
+        self.experts = experts
+        reason = megatron_layer.unavailable_reason(name, experts.fc1_weight.device)
+        if reason is not None:
+            raise Skip(reason)
+        fc1, fc2 = experts.fc1_weight.detach(), experts.fc2_weight.detach()
+        self.layer = megatron_layer.build_layer(
+            name, hidden=fc1.shape[2], ffn_hidden=fc2.shape[2], num_experts=experts.num_experts,
+            topk=topk, ep_size=experts.ep_size, fc1_weight=fc1, fc2_weight=fc2)
+        self._batch: Optional[TokenBatch] = None
+
+    def _use(self, batch: TokenBatch) -> None:
+        """Point the layer's fixed routing and input leaf at ``batch``."""
+        if self._batch is batch:
+            return
+        if bool((batch.topk_ids < 0).any()):
+            raise Skip("Megatron's routing map has no unused (-1) slots")
+        if batch.topk_ids.shape[1] != self.layer.config.moe_router_topk:
+            raise RuntimeError(f"the layer was built for top-{self.layer.config.moe_router_topk}, "
+                               f"the batch has top-{batch.topk_ids.shape[1]}")
+        self.x = batch.x.detach().clone().requires_grad_()
+        self.probs, routing_map = megatron_layer.dense_routing(
+            batch.topk_ids, batch.topk_weights, self.experts.num_experts)
+        self.layer.router.set(self.probs, routing_map)
+        self._batch = batch
+
+    def forward(self, batch: TokenBatch, mark: Mark = None) -> torch.Tensor:
+        self._use(batch)
+        T, H = self.x.shape
+        out, bias = self.layer(self.x.view(T, 1, H))
+        if bias is not None:
+            raise RuntimeError("Megatron's MoE layer returned a bias; the benchmark builds it without")
+        return out.view(T, H)
+
+    def grads(self, batch: TokenBatch) -> Grads:
+        self._use(batch)
+        fc1, fc2 = megatron_layer.expert_weight_grads(self.layer)
+        return {"x": self.x.grad, "topk_weights": self.probs.grad.gather(1, batch.topk_ids),
+                "fc1_weight": fc1, "fc2_weight": fc2}
+
+    def zero_grad(self, batch: TokenBatch) -> None:
+        self._use(batch)
+        self.x.grad = None
+        self.probs.grad = None
+        megatron_layer.zero_expert_grads(self.layer)
+
+    def close(self) -> None:
+        self.layer = None
+        self._batch = None
+        if self.experts.fc1_weight.is_cuda:
+            torch.cuda.empty_cache()
+
+
+def make_runner(name: str, experts: Experts, topk: int) -> Runner:
+    """Prepare backend ``name`` (a key of :data:`BACKENDS`) for ``experts`` and top-``topk``
+    routing.
+
+    Raises:
+        Skip: when the backend cannot run here, with the reason.
+        ValueError: for an unknown name.
+    """
+    if name in MOK_BACKENDS:
+        return MokRunner(name, experts)
+    if name == "a2a-grouped-mm":
+        return A2ARunner(experts)
+    if name in megatron_layer.MEGATRON_BACKENDS:
+        return MegatronRunner(name, experts, topk)
+    raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
+
+
+def parse_backends(text: str, device_type: str) -> Tuple[str, ...]:
+    """``--backends`` value -> backend names in run order.
+
+    "all" (every backend except the slow reference on a GPU; a2a-grouped-mm and reference on
+    the CPU) or a comma-separated list of names from :data:`BACKENDS`.
+    """
+    if text.strip() == "all":
+        return DEFAULT_GPU_BACKENDS if device_type == "cuda" else DEFAULT_CPU_BACKENDS
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown or not names:
+        raise ValueError(f"--backends {text!r}: unknown {unknown or 'empty list'}; choose 'all' or "
+                         f"a comma-separated list of: {', '.join(BACKENDS)}")
+    return tuple(n for n in BACKENDS if n in names)
+

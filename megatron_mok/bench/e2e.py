@@ -1,0 +1,295 @@
+"""``python -m megatron_mok.bench e2e``: the same Megatron training run with each token
+dispatcher, compared by step time and tokens/s per GPU.
+
+For every dispatcher it starts ``torchrun --nproc-per-node N`` on the launcher (default
+``python -m megatron_mok.pretrain_gpt``, which takes Megatron-LM's pretrain_gpt.py flags)
+with the model and data flags given after ``--`` (or in ``--args-file``), plus
+
+    <dispatcher flags> --train-iters ITERS --log-interval 1 --eval-iters 0 [--log-throughput]
+
+and reads Megatron's training log (:mod:`megatron_mok.bench.megatron_log`). The first
+``--skip-iters`` iterations are warm-up; the step time is the median of the rest.
+
+    python -m megatron_mok.bench e2e --nproc-per-node 2 --dispatchers alltoall,mok \\
+        --iters 30 --out bench-results -- $(cat my-model.args)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from . import report
+from .megatron_log import LogError, parse_iterations, parse_log, summarize
+from .machine import machine_info, set_safe_env, utc_now
+
+SCHEMA = "megatron-mok/bench-e2e/1"
+
+MOK_BACKENDS = ("auto", "megakernel", "cuda", "reference")
+
+DISPATCHERS: Dict[str, List[str]] = {
+    "alltoall": ["--moe-token-dispatcher-type", "alltoall"],
+    "allgather": ["--moe-token-dispatcher-type", "allgather"],
+    "flex-deepep": ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"],
+    "flex-hybridep": ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"],
+    "mok": ["--moe-token-dispatcher-type", "mok"],
+}
+"""Dispatcher name -> launcher flags. ``mok:BACKEND`` adds ``--mok-backend BACKEND``."""
+
+
+class E2EArgumentError(ValueError):
+    """A bad ``e2e`` argument; the message names it."""
+
+
+def dispatcher_flags(spec: str) -> List[str]:
+    """Launcher flags of dispatcher ``spec`` ("alltoall", "mok", "mok:cuda", ...)."""
+    base, _, backend = spec.partition(":")
+    if base not in DISPATCHERS:
+        raise E2EArgumentError(f"dispatcher {spec!r} is not one of {', '.join(DISPATCHERS)} "
+                               f"(or mok:BACKEND with BACKEND in {', '.join(MOK_BACKENDS)})")
+    flags = list(DISPATCHERS[base])
+    if backend:
+        if base != "mok" or backend not in MOK_BACKENDS:
+            raise E2EArgumentError(f"dispatcher {spec!r}: only mok takes a backend, one of {', '.join(MOK_BACKENDS)}")
+        flags += ["--mok-backend", backend]
+    return flags
+
+
+def dispatcher_label(spec: str) -> str:
+    base, _, backend = spec.partition(":")
+    return f"{base} ({backend})" if backend else base
+
+
+def unavailable_reason(spec: str) -> Optional[str]:
+    """Why dispatcher ``spec`` cannot run here (a package missing), or None."""
+    if spec.startswith("flex-"):
+        try:
+            module = importlib.import_module("deep_ep")
+        except ImportError as err:
+            return f"DeepEP is not installed (import deep_ep: {err})"
+        if spec == "flex-hybridep" and not hasattr(module, "HybridEPBuffer"):
+            return "the installed deep_ep has no HybridEPBuffer"
+    return None
+
+
+def read_args_file(path: str) -> List[str]:
+    """Launcher flags from a file: shell words, '#' starts a comment, lines are joined."""
+    try:
+        with open(path) as f:
+            return shlex.split(f.read(), comments=True)
+    except OSError as err:
+        raise E2EArgumentError(f"--args-file {path!r} cannot be read: {err}") from err
+
+
+def launcher_command(launcher: str) -> List[str]:
+    """torchrun's target: a module name (``-m`` form) or a path to a Python script."""
+    if launcher.endswith(".py"):
+        if not os.path.isfile(launcher):
+            raise E2EArgumentError(f"--launcher script {launcher!r} does not exist")
+        return [launcher]
+    return ["-m", launcher]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_command(*, nproc: int, launcher: str, launcher_args: Sequence[str], dispatcher: str,
+                  iters: int, throughput: bool, port: int) -> List[str]:
+    """The full command of one run (our flags come last, so they win over the config's)."""
+    return ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+             "--master-addr", "127.0.0.1", "--master-port", str(port)]
+            + launcher_command(launcher) + list(launcher_args) + dispatcher_flags(dispatcher)
+            + ["--train-iters", str(iters), "--log-interval", "1", "--eval-iters", "0"]
+            + (["--log-throughput"] if throughput else []))
+
+
+def run_logged(cmd: Sequence[str], log_path: str, *, timeout_s: float, echo_all: bool) -> int:
+    """Run ``cmd`` with stdout and stderr into ``log_path``, echoing iteration lines (or all
+    lines); returns its exit status (-9 after a timeout, when its process group is killed)."""
+    env = set_safe_env(dict(os.environ))
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    with open(log_path, "w") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                text=True, bufsize=1, start_new_session=True)
+        timer = _Deadline(proc, timeout_s)
+        try:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                log.write(line)
+                shown = line if echo_all else _progress(line)
+                if shown:
+                    sys.stdout.write("    " + shown.rstrip("\n") + "\n")
+                    sys.stdout.flush()
+            return proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _progress(line: str) -> Optional[str]:
+    """A short form of a log line worth echoing (iteration step times, errors), else None."""
+    parsed = parse_iterations([line])
+    if parsed:
+        it = parsed[0]
+        return f"iteration {it.iteration}: {it.elapsed_ms:.1f} ms" + (
+            f", lm loss {it.lm_loss:.4f}" if it.lm_loss is not None else "")
+    if "Error" in line or "Traceback" in line:
+        return line
+    return None
+
+
+class _Deadline:
+    """Kills the process group of ``proc`` (started in its own session) after ``seconds``."""
+
+    def __init__(self, proc: subprocess.Popen, seconds: float):
+        import threading
+
+        self.proc = proc
+        self.timer = threading.Timer(seconds, self._kill)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def cancel(self) -> None:
+        self.timer.cancel()
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    with open(path) as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def run_one(spec: str, args, launcher_args: Sequence[str]) -> Dict[str, object]:
+    """Run the launcher with dispatcher ``spec``; returns the run's JSON record."""
+    record: Dict[str, object] = {"dispatcher": spec, "label": dispatcher_label(spec)}
+    reason = unavailable_reason(spec)
+    if reason is not None:
+        record.update(status="skipped", reason=reason)
+        print(f"{record['label']}: skipped: {reason}", flush=True)
+        return record
+    cmd = build_command(nproc=args.nproc_per_node, launcher=args.launcher, launcher_args=launcher_args,
+                        dispatcher=spec, iters=args.iters, throughput=not args.no_throughput,
+                        port=free_port())
+    log_path = os.path.join(args.out, f"{args.name}-{spec.replace(':', '-')}.log")
+    record.update(command=shlex.join(cmd), log=log_path)
+    print(f"{record['label']}: running ({log_path})", flush=True)
+    code = run_logged(cmd, log_path, timeout_s=args.timeout_s, echo_all=args.verbose)
+    record["returncode"] = code
+    if code != 0:
+        why = "timed out" if code == -signal.SIGKILL else f"exit status {code}"
+        record.update(status="failed", reason=f"{why}; last lines of {log_path}:\n{_tail(log_path)}")
+        print(f"{record['label']}: failed ({why}); see {log_path}", flush=True)
+        return record
+    with open(log_path) as f:
+        margs, iterations = parse_log(f.read())
+    seen = margs.get("moe_token_dispatcher_type")
+    wanted = dispatcher_flags(spec)[1]
+    if seen is not None and seen != wanted:
+        record.update(status="failed", reason=f"the launcher ran with moe_token_dispatcher_type={seen}, not {wanted}")
+        return record
+    try:
+        record.update(summarize(margs, iterations, skip=args.skip_iters))
+    except LogError as err:
+        record.update(status="failed", reason=str(err))
+        return record
+    record["status"] = "ok"
+    return record
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_mok.bench e2e",
+        description="Run the same Megatron training with each token dispatcher and compare step "
+                    "time and tokens/s per GPU. Model and data flags go after '--' or in --args-file.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dispatchers", default="alltoall,mok",
+                   help="comma-separated: " + ", ".join(DISPATCHERS) + ", or mok:BACKEND (" +
+                        ", ".join(MOK_BACKENDS) + ")")
+    p.add_argument("--nproc-per-node", type=int, default=max(1, torch.cuda.device_count()),
+                   help="processes (GPUs) per run")
+    p.add_argument("--iters", type=int, default=30, help="training iterations per run (--train-iters)")
+    p.add_argument("--skip-iters", type=int, default=5, help="first iterations left out as warm-up")
+    p.add_argument("--launcher", default="megatron_mok.pretrain_gpt",
+                   help="module (run with -m) or .py script that takes Megatron's pretrain_gpt flags")
+    p.add_argument("--args-file", help="file of launcher flags (shell words, # comments), before those after '--'")
+    p.add_argument("--label", help="name of the configuration in the table and chart (default: the args file's name)")
+    p.add_argument("--no-throughput", action="store_true", help="do not pass --log-throughput")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="limit per run, seconds")
+    p.add_argument("--verbose", action="store_true", help="echo the whole training log")
+    p.add_argument("--out", default="bench-results", help="folder for NAME.json, NAME.png, NAME.md and the logs")
+    p.add_argument("--name", default="e2e", help="file name stem of the outputs")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m megatron_mok.bench e2e``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        own, passthrough = argv[:cut], argv[cut + 1:]
+    else:
+        own, passthrough = argv, []
+    parser = build_parser()
+    args = parser.parse_args(own)
+    try:
+        specs = [s.strip() for s in args.dispatchers.split(",") if s.strip()]
+        if not specs:
+            raise E2EArgumentError("--dispatchers is empty")
+        for spec in specs:
+            dispatcher_flags(spec)
+        if len(set(specs)) != len(specs):
+            raise E2EArgumentError(f"--dispatchers {args.dispatchers!r} names a dispatcher twice")
+        if args.nproc_per_node < 1:
+            raise E2EArgumentError(f"--nproc-per-node {args.nproc_per_node} must be at least 1")
+        if args.iters < 1 or args.skip_iters < 0 or args.skip_iters >= args.iters:
+            raise E2EArgumentError(f"--iters {args.iters} and --skip-iters {args.skip_iters}: need "
+                                   "iters >= 1 and 0 <= skip-iters < iters")
+        if args.timeout_s <= 0:
+            raise E2EArgumentError(f"--timeout-s {args.timeout_s} must be positive")
+        launcher_command(args.launcher)
+        launcher_args = (read_args_file(args.args_file) if args.args_file else []) + passthrough
+    except E2EArgumentError as err:
+        parser.error(str(err))
+    label = args.label or (os.path.basename(args.args_file) if args.args_file else "launcher flags")
+    runs = [run_one(spec, args, launcher_args) for spec in specs]
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    doc = {
+        "schema": SCHEMA,
+        "date_utc": utc_now(),
+        "machine": machine_info(args.nproc_per_node, device),
+        "command": shlex.join(["python", "-m", "megatron_mok.bench", "e2e", *argv]),
+        "settings": {
+            "dispatchers": specs, "nproc_per_node": args.nproc_per_node, "iters": args.iters,
+            "skip_iters": args.skip_iters, "launcher": args.launcher, "launcher_args": launcher_args,
+            "config_label": label,
+        },
+        "runs": runs,
+    }
+    stem = os.path.join(args.out, args.name)
+    report.write_json(doc, stem + ".json")
+    report.e2e_chart(doc, stem + ".png")
+    with open(stem + ".md", "w") as f:
+        f.write(report.e2e_markdown(doc))
+    print(report.e2e_table(doc))
+    print(f"wrote {stem}.json, {stem}.png, {stem}.md", flush=True)
+    return 0 if all(r["status"] != "failed" for r in runs) else 1

@@ -1,0 +1,331 @@
+"""``python -m megatron_mok.bench layer``: one MoE layer, every available backend, side by side.
+
+Start it with torchrun, one process per GPU (the EP group is all of them):
+
+    torchrun --nproc-per-node 2 -m megatron_mok.bench layer --shape kimi-k2 deepseek-v3 \\
+        --tokens 4096 --experts-per-gpu full 6 --out bench-results
+
+Method (DESIGN.md section 6), per shape and expert count: random tokens, weights and routing;
+each backend's output and gradients are first checked against the reference backend on the
+first ``--check-tokens`` tokens of every rank (the full weights, so every expert's path is
+exercised); then ``--warmup`` untimed and ``--iters`` timed iterations, each forward and
+backward timed separately with CUDA events after the ranks meet; the figure is the median over
+iterations of the slowest rank. TFLOP/s = 6*T*K*H*I / latency (backward: twice the FLOP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import traceback
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import report
+from .backends import BACKENDS, Experts, Skip, TokenBatch, make_runner, parse_backends
+from .check import DEFAULT_TOL, compare, run_once
+from .floors import H200, layer_floors, model_flops, rates_with, tflops
+from .machine import Dist, command_line, device_type, init_distributed, machine_info, set_safe_env, utc_now
+from .routing import ROUTINGS, RoutingSpec, count_routes, make_routing
+from .shapes import SHAPES, BenchCase, ShapeError, make_case, resolve_shape
+from .timing import Stopwatch, align_ranks, slowest_rank_medians
+
+SCHEMA = "megatron-mok/bench-layer/1"
+DTYPE = torch.bfloat16
+PHASES = ("dispatch", "experts", "combine")
+
+
+class WrongResult(RuntimeError):
+    """A backend's result differs from the reference's beyond the tolerance."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_mok.bench layer",
+        description="Time one MoE layer (dispatch, expert FFN, combine; forward and backward) "
+                    "with every available backend. Start with torchrun, one process per GPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shape", nargs="+", default=["kimi-k2", "deepseek-v3"],
+                   help=f"model shapes: {', '.join(SHAPES)}, or custom (with --hidden, "
+                        "--ffn-hidden, --num-experts, --topk)")
+    p.add_argument("--hidden", type=int, help="H (custom shape, or override)")
+    p.add_argument("--ffn-hidden", type=int, help="I, the expert FFN size (custom shape, or override)")
+    p.add_argument("--num-experts", type=int, help="E, the model's routed experts (custom shape, or override)")
+    p.add_argument("--topk", type=int, help="K, experts per token (custom shape, or override)")
+    p.add_argument("--tokens", type=int, default=4096, help="T, tokens per GPU")
+    p.add_argument("--experts-per-gpu", nargs="+", default=["full"],
+                   help="experts held by each GPU: 'full' (the model's E / P) and/or numbers, e.g. "
+                        "'full 6' (6 per GPU is Kimi-K2's load at EP=64)")
+    p.add_argument("--routing", choices=ROUTINGS, default="uniform", help="how tokens pick experts")
+    p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent for --routing zipf")
+    p.add_argument("--hot-fraction", type=float, default=1.0,
+                   help="fraction of tokens that pick the hot expert 0, for --routing hot")
+    p.add_argument("--backends", default="all",
+                   help="'all' or a comma-separated list of: " + ", ".join(BACKENDS))
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per backend")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations per backend")
+    p.add_argument("--check-tokens", type=int, default=256,
+                   help="tokens per GPU of the correctness check against the reference (0: no check)")
+    p.add_argument("--tol", type=float, default=None,
+                   help=f"accepted relative error of the check (default {DEFAULT_TOL[DTYPE]:g} for bf16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--gemm-tflops", type=float, help=f"dense GEMM rate for the floors (default {H200.gemm_tflops:g})")
+    p.add_argument("--hbm-gbps", type=float, help=f"HBM bandwidth for the floors (default {H200.hbm_gbps:g})")
+    p.add_argument("--peer-gbps", type=float, help=f"NVLink per-direction bandwidth for the floors (default {H200.peer_gbps:g})")
+    p.add_argument("--out", default="bench-results", help="folder for NAME.json, NAME.png, NAME.md")
+    p.add_argument("--name", default="layer", help="file name stem of the outputs")
+    p.add_argument("--timeout-s", type=float, default=600.0,
+                   help="seconds a collective waits for a peer before failing")
+    return p
+
+
+def parse_experts_per_gpu(values: Sequence[str]) -> List[Optional[int]]:
+    """``--experts-per-gpu`` values -> None for 'full', else positive ints (in order, no repeats)."""
+    out: List[Optional[int]] = []
+    for v in values:
+        if v == "full":
+            item: Optional[int] = None
+        else:
+            try:
+                item = int(v)
+            except ValueError:
+                raise ShapeError(f"--experts-per-gpu {v!r} must be 'full' or a positive integer") from None
+            if item < 1:
+                raise ShapeError(f"--experts-per-gpu {v!r} must be 'full' or a positive integer")
+        if item not in out:
+            out.append(item)
+    return out
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject bad values with a message that names them, before any work."""
+    if args.warmup < 0:
+        raise ValueError(f"--warmup {args.warmup} must be >= 0")
+    if args.iters < 1:
+        raise ValueError(f"--iters {args.iters} must be >= 1")
+    if args.check_tokens < 0:
+        raise ValueError(f"--check-tokens {args.check_tokens} must be >= 0")
+    if args.tol is not None and not args.tol > 0:
+        raise ValueError(f"--tol {args.tol} must be positive")
+
+
+def random_weights(experts: int, hidden: int, ffn: int, *, seed: int, device: torch.device):
+    """fc1 [L, 2I, H] and fc2 [L, H, I] bf16, N(0, 1/H) and N(0, 1/I) so activations stay O(1);
+    leaves that require grad."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    fc1 = torch.randn(experts, 2 * ffn, hidden, generator=gen, device=device, dtype=DTYPE)
+    fc1.mul_(hidden ** -0.5)
+    fc2 = torch.randn(experts, hidden, ffn, generator=gen, device=device, dtype=DTYPE)
+    fc2.mul_(ffn ** -0.5)
+    return fc1.requires_grad_(), fc2.requires_grad_()
+
+
+def make_batch(case: BenchCase, routing: RoutingSpec, *, seed: int, device: torch.device) -> TokenBatch:
+    """This rank's tokens, routing and upstream gradient (seeded per rank)."""
+    shape = case.shape
+    ids, weights = make_routing(routing, case.tokens_per_gpu, case.num_experts, shape.topk,
+                                seed=seed, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    x = torch.randn(case.tokens_per_gpu, shape.hidden, generator=gen, device=device, dtype=DTYPE)
+    dy = torch.randn(case.tokens_per_gpu, shape.hidden, generator=gen, device=device, dtype=DTYPE)
+    return TokenBatch(x=x.requires_grad_(), topk_ids=ids, topk_weights=weights.requires_grad_(), dy=dy)
+
+
+def time_backend(runner, batch: TokenBatch, *, warmup: int, iters: int, env: Dist) -> Dict[str, Dict[str, object]]:
+    """Warm-up, then ``iters`` timed iterations of forward and backward.
+
+    Returns:
+        {quantity: {"ms", "per_rank_ms"}} for "forward", "backward" and, for backends that
+        mark them, the forward phases "phase:dispatch", "phase:experts", "phase:combine".
+    """
+    watches = []
+    for it in range(warmup + iters):
+        runner.zero_grad(batch)
+        align_ranks(env.group, env.device)
+        sw = Stopwatch(env.device)
+        sw.mark("start")
+        y = runner.forward(batch, mark=lambda name, sw=sw: sw.mark("phase:" + name))
+        sw.mark("forward")
+        y.backward(batch.dy)
+        sw.mark("backward")
+        del y
+        if it >= warmup:
+            watches.append(sw)
+    runner.zero_grad(batch)
+    samples: Dict[str, List[float]] = {"forward": [], "backward": []}
+    for sw in watches:
+        samples["forward"].append(sw.ms("start", "forward"))
+        samples["backward"].append(sw.ms("forward", "backward"))
+        if "phase:end" in sw.points:
+            bounds = [f"phase:{p}" for p in PHASES] + ["phase:end"]
+            for p, a, b in zip(PHASES, bounds, bounds[1:]):
+                samples.setdefault(f"phase:{p}", []).append(sw.ms(a, b))
+    return slowest_rank_medians(samples, env.group, env.device)
+
+
+def _agree(result: Dict[str, object], env: Dist) -> Dict[str, object]:
+    """Make every rank report the same status: the worst of all ranks, with its reason."""
+    if env.group is None:
+        return result
+    order = {"ok": 0, "skipped": 1, "wrong": 2, "failed": 3}
+    mine = (order[result["status"]], result.get("reason", ""))
+    everyone: List = [None] * env.world
+    dist.all_gather_object(everyone, mine, group=env.group)
+    worst = max(everyone, key=lambda s: s[0])
+    if worst[0] != mine[0]:
+        status = {v: k for k, v in order.items()}[worst[0]]
+        return {"backend": result["backend"], "description": result["description"],
+                "status": status, "reason": f"{worst[1]} (on another rank)"}
+    return result
+
+
+def run_backend(name: str, case: BenchCase, batch: TokenBatch, experts: Experts,
+                check_batch: Optional[TokenBatch], oracle, floors, args, env: Dist) -> Dict[str, object]:
+    """Check, then time, one backend on one case. Never raises for a backend's own failure:
+    the result says "skipped", "wrong" or "failed" with the reason."""
+    shape = case.shape
+    result: Dict[str, object] = {"backend": name, "description": BACKENDS[name]}
+    runner = None
+    try:
+        runner = make_runner(name, experts, shape.topk)
+        if name == "reference":
+            result["check"] = {"oracle": True, "passed": True}
+        elif check_batch is not None:
+            got = run_once(runner, check_batch)
+            check = compare(got, oracle, tokens=check_batch.x.shape[0],
+                            tol=args.tol or DEFAULT_TOL[DTYPE], group=env.group, device=env.device)
+            del got
+            result["check"] = check.to_json()
+            if not check.passed:
+                raise WrongResult(f"differs from the reference ({check.describe()}; tol {check.tol:g})")
+        stats = time_backend(runner, batch, warmup=args.warmup, iters=args.iters, env=env)
+        flop = model_flops(case.tokens_per_gpu, shape.topk, shape.hidden, shape.ffn_hidden)
+        fwd, bwd = stats["forward"]["ms"], stats["backward"]["ms"]
+        result.update({
+            "status": "ok",
+            "forward_ms": fwd, "backward_ms": bwd,
+            "forward_per_rank_ms": stats["forward"]["per_rank_ms"],
+            "backward_per_rank_ms": stats["backward"]["per_rank_ms"],
+            "forward_tflops": tflops(flop, fwd), "backward_tflops": tflops(2 * flop, bwd),
+            "forward_vs_floor": fwd / floors["forward"].floor_ms,
+            "backward_vs_floor": bwd / floors["backward"].floor_ms,
+        })
+        comm = {p: (floors[p].nvlink_bytes / (ms * 1e-3) / 1e9 if floors[p].nvlink_bytes else None)
+                for p, ms in (("forward", fwd), ("backward", bwd))}
+        result["comm_GBps"] = comm
+        phases = {p: stats[f"phase:{p}"]["ms"] for p in PHASES if f"phase:{p}" in stats}
+        if phases:
+            result["forward_phases_ms"] = phases
+            one_way = floors["forward"].dispatch_bytes
+            if one_way:
+                result["dispatch_GBps"] = one_way / (phases["dispatch"] * 1e-3) / 1e9
+                result["combine_GBps"] = one_way / (phases["combine"] * 1e-3) / 1e9
+    except Skip as err:
+        result.update(status="skipped", reason=str(err))
+    except WrongResult as err:
+        result.update(status="wrong", reason=str(err))
+    except Exception as err:  # a backend's failure is a result, not the end of the benchmark
+        result.update(status="failed", reason=f"{type(err).__name__}: {err}")
+        print(f"[rank {env.rank}] backend {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
+    finally:
+        if runner is not None:
+            runner.close()
+        runner = None
+        gc.collect()
+        if env.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return _agree(result, env)
+
+
+def run_case(case: BenchCase, routing: RoutingSpec, backends: Sequence[str], rates, args,
+             env: Dist) -> Dict[str, object]:
+    """Every backend on one case; returns the run's JSON record."""
+    shape = case.shape
+    seed = args.seed * 1_000_003 + env.rank * 7919
+    batch = make_batch(case, routing, seed=seed, device=env.device)
+    fc1, fc2 = random_weights(case.experts_per_gpu, shape.hidden, shape.ffn_hidden,
+                              seed=seed + 17, device=env.device)
+    experts = Experts(fc1_weight=fc1, fc2_weight=fc2, num_experts=case.num_experts, group=env.group)
+    counts = count_routes(batch.topk_ids, case.experts_per_gpu, case.ep_size, env.group)
+    floors = layer_floors(hidden=shape.hidden, ffn_hidden=shape.ffn_hidden,
+                          experts_per_gpu=case.experts_per_gpu, tokens=[case.tokens_per_gpu] * case.ep_size,
+                          sent=counts.sent, received=counts.received,
+                          received_remote=counts.received_remote, sent_remote=counts.sent_remote,
+                          rates=rates)
+    check_batch = oracle = None
+    if args.check_tokens and any(b != "reference" for b in backends):
+        check_batch = batch.head(min(args.check_tokens, case.tokens_per_gpu))
+        oracle = run_once(make_runner("reference", experts, shape.topk), check_batch)
+    results = [run_backend(name, case, batch, experts, check_batch, oracle, floors, args, env)
+               for name in backends]
+    del batch, experts, fc1, fc2, oracle, check_batch
+    gc.collect()
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "label": case.label,
+        "case": case.to_json(),
+        "routing": routing.to_json(),
+        "routing_label": routing.label,
+        "routes": counts.to_json(),
+        "model_flops_forward": model_flops(case.tokens_per_gpu, shape.topk, shape.hidden, shape.ffn_hidden),
+        "floors": {k: v.to_json() for k, v in floors.items()},
+        "results": results,
+    }
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m megatron_mok.bench layer``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        check_args(args)
+        shapes = [resolve_shape(s, hidden=args.hidden, ffn_hidden=args.ffn_hidden,
+                                num_experts=args.num_experts, topk=args.topk) for s in args.shape]
+        per_gpu = parse_experts_per_gpu(args.experts_per_gpu)
+        cases = [make_case(s, world, args.tokens, n) for s in shapes for n in per_gpu]
+        routing = RoutingSpec(args.routing, zipf_s=args.zipf_s, hot_fraction=args.hot_fraction)
+        rates = rates_with(H200, gemm_tflops=args.gemm_tflops, hbm_gbps=args.hbm_gbps, peer_gbps=args.peer_gbps)
+        backends = parse_backends(args.backends, device_type(args.device))
+    except ValueError as err:
+        parser.error(str(err))
+    set_safe_env()
+    env = init_distributed(args.device, args.timeout_s)
+    try:
+        doc = {
+            "schema": SCHEMA,
+            "date_utc": utc_now(),
+            "machine": machine_info(env.world, env.device),
+            "command": command_line("layer", argv),
+            "settings": {
+                "tokens_per_gpu": args.tokens, "routing": routing.to_json(), "routing_label": routing.label,
+                "backends": list(backends), "warmup": args.warmup, "iters": args.iters,
+                "check_tokens_per_gpu": args.check_tokens, "dtype": "bf16", "seed": args.seed,
+            },
+            "rates": rates.to_json(),
+            "runs": [],
+        }
+        for case in cases:
+            run = run_case(case, routing, backends, rates, args, env)
+            doc["runs"].append(run)
+            if env.rank == 0:
+                print(report.layer_table(run), flush=True)
+                print(flush=True)
+        if env.rank == 0:
+            stem = os.path.join(args.out, args.name)
+            report.write_json(doc, stem + ".json")
+            report.layer_chart(doc, stem + ".png")
+            with open(stem + ".md", "w") as f:
+                f.write(report.layer_markdown(doc))
+            print(f"wrote {stem}.json, {stem}.png, {stem}.md", flush=True)
+        return 0
+    finally:
+        if env.group is not None and dist.is_initialized():
+            dist.destroy_process_group()

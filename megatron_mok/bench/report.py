@@ -1,0 +1,266 @@
+"""Output of the benchmarks: the table on stdout, Markdown for docs/benchmarks.md, the JSON
+file and the PNG bar chart (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Dict, List, Optional, Sequence
+
+BACKEND_COLORS = {
+    "mok-megakernel": "#d62728",
+    "mok-cuda": "#ff7f0e",
+    "a2a-grouped-mm": "#1f77b4",
+    "megatron-alltoall": "#2ca02c",
+    "megatron-flex-deepep": "#9467bd",
+    "megatron-flex-hybridep": "#8c564b",
+    "reference": "#7f7f7f",
+}
+"""One fixed color per layer-benchmark backend, the same in every chart."""
+
+DISPATCHER_COLORS = {
+    "mok": "#d62728",
+    "mok:megakernel": "#d62728",
+    "mok:cuda": "#ff7f0e",
+    "mok:reference": "#7f7f7f",
+    "alltoall": "#2ca02c",
+    "flex-deepep": "#9467bd",
+    "flex-hybridep": "#8c564b",
+    "allgather": "#bcbd22",
+}
+"""Colors of the end-to-end dispatchers, matching their layer-benchmark backends."""
+
+_FALLBACK_COLORS = ("#17becf", "#e377c2", "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5")
+
+
+def color_of(name: str, order: Sequence[str]) -> str:
+    """The color of backend or dispatcher ``name`` (fixed for known backends, else by position
+    in ``order``)."""
+    if name in BACKEND_COLORS:
+        return BACKEND_COLORS[name]
+    if name in DISPATCHER_COLORS:
+        return DISPATCHER_COLORS[name]
+    return _FALLBACK_COLORS[list(order).index(name) % len(_FALLBACK_COLORS)]
+
+
+def write_json(doc: Dict[str, object], path: str) -> None:
+    """Write ``doc`` as indented JSON (directories created as needed)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def _fmt(value: Optional[float], digits: int = 2) -> str:
+    """``value`` with ``digits`` decimals, or 3 significant digits when that would show less."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if value != 0 and abs(value) < 10 ** (1 - digits):
+        return f"{value:.3g}"
+    return f"{value:.{digits}f}"
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer benchmark.
+
+LAYER_COLUMNS = ("backend", "fwd ms", "fwd TFLOP/s", "fwd/floor", "bwd ms", "bwd TFLOP/s",
+                 "bwd/floor", "comm GB/s", "max rel err")
+
+
+def _layer_row(result: Dict[str, object]) -> List[str]:
+    if result["status"] != "ok":
+        return [result["backend"], f"{result['status']}: {_first_line(result.get('reason', ''))}"]
+    check = result.get("check") or {}
+    errors = [e for e in (check.get("rel_errors") or {}).values() if e is not None]
+    err = "oracle" if check.get("oracle") else (f"{max(errors):.1e}" if errors else "unchecked")
+    comm = (result.get("comm_GBps") or {}).get("forward")
+    return [result["backend"], _fmt(result["forward_ms"]), _fmt(result["forward_tflops"], 0),
+            _fmt(result["forward_vs_floor"]), _fmt(result["backward_ms"]),
+            _fmt(result["backward_tflops"], 0), _fmt(result["backward_vs_floor"]),
+            _fmt(comm, 0), err]
+
+
+def floors_line(run: Dict[str, object]) -> str:
+    """One line naming each pass's floor and its three parts."""
+    parts = []
+    for name in ("forward", "backward"):
+        f = run["floors"][name]
+        parts.append(f"{name} floor {_fmt(f['floor_ms'])} ms ({f['bound']}-bound; compute "
+                     f"{_fmt(f['compute_ms'])}, HBM {_fmt(f['hbm_ms'])}, NVLink {_fmt(f['nvlink_ms'])})")
+    return "; ".join(parts)
+
+
+def layer_table(run: Dict[str, object]) -> str:
+    """Fixed-width text table of one run (one shape and expert count), floors underneath."""
+    rows = [list(LAYER_COLUMNS)] + [_layer_row(r) for r in run["results"]]
+    full = [r for r in rows if len(r) == len(LAYER_COLUMNS)]
+    widths = [max(len(r[i]) for r in full) for i in range(len(LAYER_COLUMNS))]
+    lines = [f"== {run['label']} | {run['case']['tokens_per_gpu']} tokens/GPU | "
+             f"{run['case']['ep_size']} GPU(s) | routing {run['routing_label']}"]
+    for r in rows:
+        if len(r) == len(LAYER_COLUMNS):
+            lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        else:
+            lines.append(f"{r[0].ljust(widths[0])}  {r[1]}")
+    lines.append(floors_line(run))
+    return "\n".join(lines)
+
+
+def layer_markdown(doc: Dict[str, object]) -> str:
+    """Markdown tables of every run of a layer-benchmark JSON document."""
+    out = [f"Measured {doc['date_utc']} on {doc['machine']['description']}.", "",
+           f"Command: `{doc['command']}`", ""]
+    for run in doc["runs"]:
+        out.append(f"**{run['label']}**, {run['case']['tokens_per_gpu']} tokens/GPU, "
+                   f"{run['case']['ep_size']} GPU(s), top-{run['case']['shape']['topk']}, "
+                   f"H={run['case']['shape']['hidden']}, I={run['case']['shape']['ffn_hidden']}, "
+                   f"{run['case']['num_experts']} experts, routing {run['routing_label']}.")
+        out.append("")
+        out.append("| " + " | ".join(LAYER_COLUMNS) + " |")
+        out.append("|" + "---|" * len(LAYER_COLUMNS))
+        for r in run["results"]:
+            row = _layer_row(r)
+            if len(row) < len(LAYER_COLUMNS):
+                row = row + [""] * (len(LAYER_COLUMNS) - len(row))
+            out.append("| " + " | ".join(row) + " |")
+        out.append("")
+        out.append(floors_line(run) + ".")
+        out.append("")
+    return "\n".join(out)
+
+
+def _grouped_bars(ax, groups: List[str], series: List[str], values: Dict[str, List[Optional[float]]],
+                  order: Sequence[str], floors: Optional[List[float]] = None, unit: str = "ms") -> None:
+    import numpy as np
+
+    n = max(1, len(series))
+    width = 0.8 / n
+    xs = np.arange(len(groups))
+    for k, name in enumerate(series):
+        offsets = xs - 0.4 + width * (k + 0.5)
+        heights = [v if v is not None else 0.0 for v in values[name]]
+        bars = ax.bar(offsets, heights, width * 0.95, label=name, color=color_of(name, order))
+        for bar, v in zip(bars, values[name]):
+            label = "n/a" if v is None else _fmt(v, 1 if v < 100 else 0)
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7, rotation=90 if n > 4 else 0,
+                        xytext=(0, 2), textcoords="offset points")
+    if floors is not None:
+        for i, f in enumerate(floors):
+            ax.hlines(f, xs[i] - 0.45, xs[i] + 0.45, colors="black", linestyles="--", linewidth=1.2,
+                      label="floor: max(compute, HBM, NVLink)" if i == 0 else None)
+    ax.set_xticks(xs)
+    ax.set_xticklabels(groups, fontsize=8)
+    ax.margins(y=0.15)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def layer_chart(doc: Dict[str, object], path: str) -> None:
+    """Grouped bar chart of a layer-benchmark document: one group per run (shape and expert
+    count), one bar per backend, forward and backward side by side, floors dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = doc["runs"]
+    order = [b for b in BACKEND_COLORS]
+    ran = {r["backend"] for run in runs for r in run["results"] if r["status"] == "ok"}
+    series = [b for b in order if b in ran] + sorted(ran - set(order))
+    groups = [run["label"].replace(", ", "\n") for run in runs]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 3.2 * len(runs) + 3.0), 4.8), squeeze=False)
+    for ax, name in zip(axes[0], ("forward", "backward")):
+        values = {}
+        for b in series:
+            vals = []
+            for run in runs:
+                match = [r for r in run["results"] if r["backend"] == b and r["status"] == "ok"]
+                vals.append(match[0][f"{name}_ms"] if match else None)
+            values[b] = vals
+        floors = [run["floors"][name]["floor_ms"] for run in runs]
+        _grouped_bars(ax, groups, series, values, order, floors)
+        ax.set_title(f"{name}")
+        ax.set_ylabel("latency (ms), median of the slowest rank")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
+    first = runs[0]["case"] if runs else {"tokens_per_gpu": 0, "ep_size": 0}
+    fig.suptitle(f"MoE layer: {first['tokens_per_gpu']} tokens/GPU, {first['ep_size']} x "
+                 f"{doc['machine'].get('gpu') or 'CPU'}, routing {doc['settings']['routing_label']}",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# End-to-end comparison.
+
+E2E_COLUMNS = ("dispatcher", "step ms", "tokens/s/GPU", "TFLOP/s/GPU", "lm loss (last)", "iters")
+
+
+def _e2e_row(run: Dict[str, object]) -> List[str]:
+    if run["status"] != "ok":
+        return [run["label"], f"{run['status']}: {_first_line(run.get('reason', ''))}"]
+    return [run["label"], _fmt(run["step_ms"], 1), _fmt(run["tokens_per_s_per_gpu"], 0),
+            _fmt(run.get("tflops_per_gpu"), 1), _fmt(run.get("lm_loss_last"), 4),
+            str(run["iterations_measured"])]
+
+
+def e2e_table(doc: Dict[str, object]) -> str:
+    """Fixed-width text table of an end-to-end document."""
+    rows = [list(E2E_COLUMNS)] + [_e2e_row(r) for r in doc["runs"]]
+    full = [r for r in rows if len(r) == len(E2E_COLUMNS)]
+    widths = [max(len(r[i]) for r in full) for i in range(len(E2E_COLUMNS))]
+    lines = []
+    for r in rows:
+        if len(r) == len(E2E_COLUMNS):
+            lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        else:
+            lines.append(f"{r[0].ljust(widths[0])}  {r[1]}")
+    return "\n".join(lines)
+
+
+def e2e_markdown(doc: Dict[str, object]) -> str:
+    """Markdown table of an end-to-end document."""
+    out = [f"Measured {doc['date_utc']} on {doc['machine']['description']}.", "",
+           f"Command: `{doc['command']}`", "",
+           "| " + " | ".join(E2E_COLUMNS) + " |", "|" + "---|" * len(E2E_COLUMNS)]
+    for run in doc["runs"]:
+        row = _e2e_row(run)
+        row = row + [""] * (len(E2E_COLUMNS) - len(row))
+        out.append("| " + " | ".join(row) + " |")
+    out.append("")
+    return "\n".join(out)
+
+
+def e2e_chart(doc: Dict[str, object], path: str) -> None:
+    """Bar chart of an end-to-end document: tokens/s per GPU and step time per dispatcher."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = doc["runs"]
+    labels = [r["dispatcher"] for r in runs]
+    group = [doc["settings"]["config_label"]]
+    fig, axes = plt.subplots(1, 2, figsize=(max(7.0, 1.2 * len(runs) + 5.0), 4.2), squeeze=False)
+    for ax, key, ylabel in ((axes[0][0], "tokens_per_s_per_gpu", "tokens/s per GPU"),
+                            (axes[0][1], "step_ms", "step time (ms), median")):
+        values = {r["dispatcher"]: [r[key] if r["status"] == "ok" else None] for r in runs}
+        _grouped_bars(ax, group, labels, values, labels)
+        ax.set_ylabel(ylabel)
+        ax.set_title(ylabel.split(",")[0])
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=min(4, len(names)), fontsize=8, frameon=False)
+    fig.suptitle(f"End to end: {doc['settings']['config_label']}, {doc['settings']['nproc_per_node']} x "
+                 f"{doc['machine'].get('gpu') or 'CPU'}", fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
