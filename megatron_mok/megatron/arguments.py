@@ -1,0 +1,97 @@
+"""The ``--mok-*`` command-line flags, added to Megatron's argument parser by
+:func:`megatron_mok.register`, and their translation into :class:`MoKLayerSettings`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..config import MoKConfig
+from ..functional.validate import BACKENDS
+from .settings import MoKLayerSettings
+
+__all__ = ["add_mok_arguments", "settings_from_args", "MOK_FLAGS"]
+
+MOK_FLAGS = (
+    "--mok-backend",
+    "--mok-comm-sms",
+    "--mok-comm-sms-forward",
+    "--mok-comm-sms-backward",
+    "--mok-minibatch-rows",
+    "--mok-ring-rows",
+    "--mok-tile-rows",
+    "--mok-timeout-s",
+    "--mok-max-tokens-per-rank",
+    "--mok-fuse-shared-expert",
+)
+"""Every flag :func:`add_mok_arguments` adds."""
+
+
+def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``mok`` argument group to ``parser`` (once; a second call is a no-op).
+
+    Every flag only matters with ``--moe-token-dispatcher-type mok``. Tunables left unset are
+    chosen from the layer shape and the device (``MoKConfig.resolve``).
+    """
+    if any(a.dest == "mok_backend" for a in parser._actions):
+        return parser
+    group = parser.add_argument_group(
+        title="mok", description="MoK MoE layer (--moe-token-dispatcher-type mok): megatron-mok plugin"
+    )
+    group.add_argument("--mok-backend", choices=BACKENDS, default="auto",
+                       help="Which implementation runs dispatch + experts + combine. 'auto' picks "
+                            "the fastest available: the megakernel, else the CUDA backend on sm_90 "
+                            "GPUs, else the pure-PyTorch reference (any device, slow).")
+    group.add_argument("--mok-comm-sms", type=int, default=None,
+                       help="SMs that only move data, forward and backward (default: from the "
+                            "device; 8 on H200 when EP > 1). Overridden by the two flags below.")
+    group.add_argument("--mok-comm-sms-forward", type=int, default=None,
+                       help="Comm SMs of the forward kernels.")
+    group.add_argument("--mok-comm-sms-backward", type=int, default=None,
+                       help="Comm SMs of the backward kernels.")
+    group.add_argument("--mok-minibatch-rows", type=int, default=None,
+                       help="Rows handed to the expert GEMMs at once (a multiple of "
+                            "--mok-tile-rows; default: two GEMM waves per compute SM).")
+    group.add_argument("--mok-ring-rows", type=int, default=None,
+                       help="Rows of the ring token buffer (a multiple of the minibatch, at least "
+                            "two minibatches; default: four minibatches).")
+    group.add_argument("--mok-tile-rows", type=int, default=128,
+                       help="GEMM row-block height; expert segments are padded to it (GPU "
+                            "backends: 64 or 128).")
+    group.add_argument("--mok-timeout-s", type=float, default=60.0,
+                       help="Seconds a rank waits for a peer before it raises an error naming it.")
+    group.add_argument("--mok-max-tokens-per-rank", type=int, default=None,
+                       help="Token capacity of the communication workspace per rank (default: "
+                            "agreed by all ranks at the first call).")
+    group.add_argument("--mok-fuse-shared-expert", action="store_true", default=False,
+                       help="Compute the shared expert inside the MoK call as one more local "
+                            "expert used by every token (needs tensor-parallel size 1 and a shared "
+                            "intermediate size that is a multiple of --moe-ffn-hidden-size). "
+                            "Default: Megatron's shared-expert module computes it.")
+    return parser
+
+
+def settings_from_args(args: Any) -> MoKLayerSettings:
+    """The :class:`MoKLayerSettings` the parsed ``--mok-*`` flags describe.
+
+    Raises:
+        MoKConfigError: a tunable has a value MoK does not support (the message names the flag's
+            field, the value and the rule).
+    """
+    both = getattr(args, "mok_comm_sms", None)
+    forward = getattr(args, "mok_comm_sms_forward", None)
+    backward = getattr(args, "mok_comm_sms_backward", None)
+    config = MoKConfig(
+        comm_sms_forward=forward if forward is not None else both,
+        comm_sms_backward=backward if backward is not None else both,
+        minibatch_rows=getattr(args, "mok_minibatch_rows", None),
+        ring_rows=getattr(args, "mok_ring_rows", None),
+        tile_rows=getattr(args, "mok_tile_rows", 128),
+        timeout_s=getattr(args, "mok_timeout_s", 60.0),
+        max_tokens_per_rank=getattr(args, "mok_max_tokens_per_rank", None),
+    )
+    return MoKLayerSettings(
+        backend=getattr(args, "mok_backend", "auto"),
+        config=config,
+        fuse_shared_expert=bool(getattr(args, "mok_fuse_shared_expert", False)),
+    )

@@ -1,0 +1,202 @@
+"""The MoK MoE layer: Megatron's router feeding ``mok_moe`` (dispatch + experts + combine).
+
+:class:`MoKMoELayer` is a ``MoELayer`` (``isinstance`` holds, so every Megatron code path that
+special-cases MoE layers treats it as one) built from the same spec as Megatron's: the same
+router, the same expert module (``SequentialMLP`` or ``TEGroupedMLP``) and shared-expert module,
+hence the same parameter names, shapes, initialisation, gradient buffers and
+``sharded_state_dict``. Only the token dispatcher differs: the forward runs one fused
+``mok_moe`` call on the expert weights instead of dispatcher + expert module + dispatcher.
+
+Forward, for hidden states [S, B, H] of this rank (T = S * B tokens):
+
+1. shared expert (Megatron's module, unless fused), as ``MoELayer`` does;
+2. ``probs, routing_map = router(x)`` ([T, E] each; aux losses and expert bias as usual);
+3. ``topk_ids, topk_weights`` [T, K] in ascending expert id (:mod:`.routing`);
+4. ``y = mok_moe(x, topk_ids, topk_weights, fc1 [L, 2I, H], fc2 [L, H, I], ep_group)``;
+   with a fused shared expert, each rank's shared expert is appended to its local experts and
+   every token gets extra slots for it (weight 1, or the shared-expert gate);
+5. ``y + shared`` reshaped to [S, B, H]; the bias output is None.
+
+Megatron's staged methods (``preprocess``, ``dispatch``, ``routed_experts_compute``, ``combine``,
+``postprocess``) keep working through :class:`~.dispatcher.MoKTokenDispatcher`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Tuple
+
+import torch
+
+from megatron.core import tensor_parallel, utils
+from megatron.core.transformer.moe.moe_layer import BaseMoELayer, MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_utils import MoECudaGraphTensorStore, get_default_pg_collection
+from megatron.core.typed_torch import apply_module, not_none
+
+from ..functional import mok_moe
+from .dispatcher import MoKTokenDispatcher
+from .experts import local_expert_weights, shared_expert_weights, stacked
+from .peers import check_ep_peer_access
+from .routing import remap_for_fused_shared, routing_to_topk
+from .settings import MoKLayerSettings, settings_for
+from .validation import check_supported, warn_ignored_settings
+
+__all__ = ["MoKMoELayer", "MOK_DISPATCHER_TYPE"]
+
+MOK_DISPATCHER_TYPE = "mok"
+"""The value of ``--moe-token-dispatcher-type`` / ``TransformerConfig.moe_token_dispatcher_type``
+that selects this layer."""
+
+log = logging.getLogger("megatron_mok")
+
+
+class MoKMoELayer(MoELayer):
+    """Megatron ``MoELayer`` whose routed experts run through ``mok_moe``.
+
+    Built like ``MoELayer`` (same arguments, same submodules); ``MoELayer(config, ...)`` with
+    ``config.moe_token_dispatcher_type == "mok"`` returns one once :func:`megatron_mok.register`
+    has run. Its settings (backend, tunables, fused shared expert) come from
+    :func:`~.settings.settings_for`.
+
+    Raises (at construction):
+        MoKUnsupportedError: the config asks for something MoK does not do (listed, with reasons).
+        EPTopologyError: a GPU backend would run on an EP group without peer access.
+        BackendUnavailable: ``--mok-backend cuda``/``megakernel`` cannot run on this machine.
+    """
+
+    def __init__(
+        self,
+        config,
+        submodules: Optional[MoESubmodules] = None,
+        layer_number: Optional[int] = None,
+        pg_collection=None,
+        is_mtp_layer: bool = False,
+        name: Optional[str] = None,
+    ):
+        self.mok_settings: MoKLayerSettings = settings_for(config)
+        check_supported(config, self.mok_settings)
+        warn_ignored_settings(config)
+        self.submodules = not_none(submodules)
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        # MoELayer.__init__ rejects dispatcher types it does not know, so the layer is assembled
+        # here from the same parts, in the same order (router, experts, shared experts).
+        BaseMoELayer.__init__(self, config=config, layer_number=layer_number,
+                              pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        self.moe_layer_recompute = (
+            config.recompute_granularity == "selective"
+            and "moe" in (config.recompute_modules or [])
+            and config.cuda_graph_impl != "local"
+        )
+        self.shared_experts_recompute = (
+            config.recompute_granularity == "selective"
+            and "shared_experts" in (config.recompute_modules or [])
+        )
+        self.tp_group = pg_collection.tp
+        self.router = self.submodules.router(config=self.config, pg_collection=pg_collection,
+                                             is_mtp_layer=is_mtp_layer)
+        self.token_dispatcher = MoKTokenDispatcher(self.num_local_experts, self.local_expert_indices,
+                                                   config=self.config, pg_collection=pg_collection)
+        self.experts = self.submodules.experts(
+            self.num_local_experts, self.config, pg_collection=pg_collection,
+            name=(name + ".experts") if name is not None else None,
+        )
+        if self.use_shared_expert:
+            if self.submodules.shared_experts is None:
+                raise ValueError("the MoE spec has no shared-expert builder, but "
+                                 "moe_shared_expert_intermediate_size is set")
+            self.shared_experts = self.submodules.shared_experts(
+                config=self.config, pg_collection=pg_collection, gate=self.config.moe_shared_expert_gate,
+                name=(name + ".shared_experts") if name is not None else None,
+            )
+        self.fused_shared = self.use_shared_expert and self.mok_settings.fuse_shared_expert
+        self.cudagraph_tensor_store = MoECudaGraphTensorStore()
+        self.fwd_execution_map = ["route", "expert_compute", "postprocess"]
+        self.setup_delayed_wgrad_for_dispatch_backward_overlap()
+
+        self.ep_size = utils.get_pg_size(self.ep_group)
+        check_ep_peer_access(self.ep_group if self.ep_size > 1 else None, self.mok_settings.backend)
+
+    # ------------------------------------------------------------------------------------------
+    # The fused path.
+
+    def _expert_weights(self) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """fc1 [L', 2I, H] and fc2 [L', H, I] of this rank's experts (the fused shared experts
+        last), and the number of fused shared experts."""
+        fc1, fc2 = local_expert_weights(self.experts, self.num_local_experts)
+        shared = 0
+        if self.fused_shared:
+            sh1, sh2 = shared_expert_weights(self.shared_experts, self.config.moe_ffn_hidden_size)
+            fc1, fc2, shared = fc1 + sh1, fc2 + sh2, len(sh1)
+        return stacked(fc1), stacked(fc2), shared
+
+    def _shared_slots(self, tokens: torch.Tensor, shared: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Top-k columns of the fused shared experts: ids [T, n] of this rank's shared experts
+        and weights [T, n] (1, or the shared-expert gate)."""
+        ep_rank = utils.get_pg_rank(self.ep_group)
+        width = self.num_local_experts + shared
+        first = ep_rank * width + self.num_local_experts
+        ids = torch.arange(first, first + shared, device=tokens.device, dtype=torch.int64)
+        ids = ids.expand(tokens.shape[0], shared)
+        gate_weight = getattr(self.shared_experts, "gate_weight", None)
+        if gate_weight is not None:
+            gate = torch.sigmoid(torch.nn.functional.linear(tokens, gate_weight)).to(torch.float32)
+            weights = gate.expand(tokens.shape[0], shared)
+        else:
+            weights = torch.ones((tokens.shape[0], shared), device=tokens.device, dtype=torch.float32)
+        return ids, weights
+
+    def mok_experts(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """Routed experts (and the fused shared expert) of this rank's tokens, one ``mok_moe`` call.
+
+        Args:
+            hidden_states: [S, B, H] (or [T, H]) tokens of this rank.
+            probs: [T, E] router probabilities; routing_map: [T, E] bool.
+
+        Returns:
+            [S, B, H] (the input's shape) in the input's dtype.
+        """
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, shape[-1])
+        topk_ids, topk_weights = routing_to_topk(probs, routing_map, self.config.moe_router_topk)
+        fc1, fc2, shared = self._expert_weights()
+        if shared:
+            shared_ids, shared_weights = self._shared_slots(tokens, shared)
+            topk_ids = torch.cat([remap_for_fused_shared(topk_ids, self.num_local_experts, shared), shared_ids], 1)
+            topk_weights = torch.cat([topk_weights, shared_weights], 1)
+        output = mok_moe(
+            tokens, topk_ids, topk_weights, fc1, fc2,
+            ep_group=self.ep_group if self.ep_size > 1 else None,
+            config=self.mok_settings.config,
+            backend=self.mok_settings.backend,
+        )
+        return output.reshape(shape)
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
+                padding_mask: Optional[torch.Tensor] = None):
+        """MoE forward: [S, B, H] -> ([S, B, H], None).
+
+        Runs the fused MoK path. Calls that resume a partially captured layer
+        (``intermediate_tensors``) take Megatron's staged path through the MoK dispatcher.
+        """
+        if intermediate_tensors is not None or self.fwd_execution_map != ["route", "expert_compute", "postprocess"]:
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:
+            raise ValueError(
+                "During training, MoE with tensor parallelism needs sequence parallelism "
+                "(--sequence-parallel), as in Megatron's MoE layer."
+            )
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+
+        def fused_forward(hidden_states, padding_mask=None):
+            shared_output = None if self.fused_shared else self.shared_experts_compute(hidden_states)
+            probs, routing_map = self.route(hidden_states, padding_mask)
+            output = self.mok_experts(hidden_states, probs, routing_map)
+            if shared_output is not None:
+                output = output + shared_output
+            return output, None
+
+        if self.moe_layer_recompute and self.training:
+            return tensor_parallel.checkpoint(fused_forward, False, hidden_states, padding_mask)
+        return fused_forward(hidden_states, padding_mask)
