@@ -83,7 +83,9 @@ def main() -> None:
     # Stage by stage (forward), on the same workspace.
     ws = get_workspace(None, dev, tokens=T, hidden=H, topk=K, experts_per_rank=L, config=cfg)
     ws.publish(x.detach(), ids, w.detach())
-    table, counts, offsets, cap = ws.build_schedule(128)
+    from megatron_mok.functional.cuda_backend import GROUPED_MM_SEGMENT_ROWS as SEG
+
+    table, counts, offsets, cap = ws.build_schedule(SEG)
     ends = offsets[1:]
     x_disp, w_disp = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, table, offsets,
                                         K, cap, H, True, 0)
@@ -93,7 +95,7 @@ def main() -> None:
     rows = int(offsets[-1])
     stages = {
         "publish": lambda: ws.publish(x.detach(), ids, w.detach()),
-        "schedule": lambda: ws.build_schedule(128),
+        "schedule": lambda: ws.build_schedule(SEG),
         "pull": lambda: comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, table, offsets,
                                            K, cap, H, True, 0),
         "fc1": lambda: torch._grouped_mm(x_disp, fc1.detach().transpose(1, 2), offs=ends),
@@ -113,6 +115,31 @@ def main() -> None:
             kdim = H if name == "fc1" else I
             extra = f"  {2 * rows * n * kdim / ms / 1e9:6.1f} TFLOP/s on {rows} padded rows"
         print(f"  {name:9s}{ms:8.3f} ms{extra}")
+
+    # Backward stages.
+    d_out = out  # stands in for the pulled dy rows (same shape and layout)
+    g = torch._grouped_mm(d_out, fc2.detach(), offs=ends)
+    d_ab, dw_rows, hw2 = swiglu_ops.swiglu_backward(ab, w_disp, g, offsets, True)
+    f1, f2 = fc1.detach(), fc2.detach()
+    wgrad = lambda a_t, b_: torch._grouped_mm(a_t, b_, offs=ends)
+    bstages = {
+        "b:pull dy": lambda: comm_ops.pull_rows(ws.bases, ws.layout.rows, True, 0, table, offsets, K, cap, H,
+                                                False, 0),
+        "b:fc2 dgrad": lambda: torch._grouped_mm(d_out, f2, offs=ends),
+        "b:swiglu": lambda: swiglu_ops.swiglu_backward(ab, w_disp, g, offsets, True),
+        "b:fc2 wgrad": lambda: wgrad(d_out.t(), hw2),
+        "b:fc1 wgrad": lambda: wgrad(d_ab.t(), x_disp),
+        "b:fc1 dgrad": lambda: torch._grouped_mm(d_ab, f1, offs=ends),
+        "b:push": lambda: comm_ops.push_rows(ws.bases, ws.layout.slots, ws.layout.scalars, table, offsets, K,
+                                             out, dw_rows, 0),
+        "b:sum": lambda: comm_ops.sum_slots(ws.slots[:T], ids, L, ws.scalars[:T], ws.status),
+    }
+    gemm_flops = {"b:fc2 dgrad": 2 * rows * I * H, "b:fc2 wgrad": 2 * rows * I * H,
+                  "b:fc1 wgrad": 4 * rows * I * H, "b:fc1 dgrad": 4 * rows * I * H}
+    for name, fn in bstages.items():
+        ms = median_ms(fn, a.iters)
+        extra = f"  {gemm_flops[name] / ms / 1e9:6.1f} TFLOP/s" if name in gemm_flops else ""
+        print(f"  {name:12s}{ms:8.3f} ms{extra}")
 
 
 if __name__ == "__main__":

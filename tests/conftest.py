@@ -1,7 +1,13 @@
 """Shared pytest setup: GPU tests skip with a printed reason where there is no sm_90 GPU."""
 
-import pytest
-import torch
+import os
+
+# Virtual EP ranks (LocalEPGroup) spin-wait on each other in one CUDA context: kernels must be
+# loaded eagerly (see megatron_mok/functional/groups.py). Set before anything starts CUDA.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def gpu_skip_reason(min_gpus: int = 1):

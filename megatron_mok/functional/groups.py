@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Optional, Tuple, Union
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -25,6 +27,7 @@ class LocalEPGroup:
     def __init__(self, size: int, device: Optional[torch.device] = None):
         if size < 1:
             raise ValueError(f"LocalEPGroup size={size} must be at least 1")
+        _require_eager_module_loading()
         self.size = size
         self.device = torch.device(device if device is not None else torch.cuda.current_device())
         if self.device.type == "cuda" and self.device.index is None:
@@ -36,6 +39,21 @@ class LocalEPGroup:
 
     def __getitem__(self, rank: int) -> "LocalEPRank":
         return self.ranks[rank]
+
+
+def _require_eager_module_loading() -> None:
+    """Virtual ranks spin-wait on each other inside one CUDA context. With lazy module loading
+    (CUDA's default), the first launch of a kernel may wait for the context to go idle, while a
+    rank's barrier kernel spins until another rank's kernels run: a deadlock until the timeout.
+    Eager loading avoids it; it must be chosen before CUDA starts in the process."""
+    if os.environ.get("CUDA_MODULE_LOADING") == "EAGER":
+        return
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "LocalEPGroup needs CUDA_MODULE_LOADING=EAGER, set before CUDA is initialised in this "
+            "process (lazy kernel loading can deadlock ranks that spin-wait on each other in one "
+            "CUDA context); set it in the environment of the program")
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
 
 
 class LocalEPRank:
