@@ -83,8 +83,7 @@ def main() -> None:
     # Stage by stage (forward), on the same workspace.
     ws = get_workspace(None, dev, tokens=T, hidden=H, topk=K, experts_per_rank=L, config=cfg)
     ws.publish(x.detach(), ids, w.detach())
-    from megatron_mok.functional.cuda_backend import GROUPED_MM_SEGMENT_ROWS as SEG
-
+    SEG = cfg.tile_rows
     table, counts, offsets, cap = ws.build_schedule(SEG)
     ends = offsets[1:]
     x_disp, w_disp = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, table, offsets,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import MoKConfig
+from ..config import GPU_TILE_ROWS, MoKConfig
 from ..ops import comm as comm_ops
 from ..ops import swiglu as swiglu_ops
 from .groups import EPGroup, group_size_rank
@@ -33,14 +33,12 @@ from .validate import MoEShape
 from .workspace import Workspace, get_workspace
 
 SITE_FWD_DISPATCH, SITE_FWD_COMBINE, SITE_BWD_DISPATCH, SITE_BWD_COMBINE = 1, 2, 3, 4
-# torch._grouped_mm takes ragged groups, so the segments need no GEMM-tile padding: padding
-# them to 128 rows wasted up to half the GEMM work at ~170 rows per expert (docs/perf-notes.md).
-# 8 rows keep every segment start 16-byte aligned in any layout.
-GROUPED_MM_SEGMENT_ROWS = 8
 
 
 def unsupported_reason(shape: MoEShape, config: MoKConfig) -> str | None:
     """Why the CUDA kernels cannot take this shape, or None."""
+    if config.tile_rows not in GPU_TILE_ROWS:
+        return f"tile_rows={config.tile_rows}; the GPU backends take {GPU_TILE_ROWS}"
     if shape.hidden % 8:
         return f"hidden size {shape.hidden} is not a multiple of 8 (16-byte row copies)"
     if shape.ffn_hidden % 8:
@@ -130,7 +128,9 @@ def cuda_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_group: EPG
     ws = get_workspace(ep_group, x.device, tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk,
                        experts_per_rank=shape.experts_per_rank, config=config)
     ws.timeout_s = float(config.timeout_s)
-    call = _Call(ws=ws, segment_rows=GROUPED_MM_SEGMENT_ROWS, timeout_s=float(config.timeout_s),
+    # Segments padded to the GEMM tile: torch._grouped_mm tiles each group in 128-row blocks
+    # anyway, and measured no faster with 8-row segments (docs/perf-notes.md, 2026-11-29).
+    call = _Call(ws=ws, segment_rows=config.tile_rows, timeout_s=float(config.timeout_s),
                  num_experts=P * shape.experts_per_rank, comm_blocks=0)
     return _CudaMoE.apply(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
                           fc1_weight, fc2_weight, call)
