@@ -88,9 +88,11 @@ Grads = Dict[str, torch.Tensor]
 
 
 class Runner:
-    """A backend prepared for one set of expert weights; it runs any :class:`TokenBatch`."""
+    """A backend prepared for one set of expert weights (``experts``); it runs any
+    :class:`TokenBatch`."""
 
     name = ""
+    experts: Experts
 
     def forward(self, batch: TokenBatch, mark: Mark = None) -> torch.Tensor:
         """Run the forward on ``batch``; returns y [T, H], attached to the autograd graph."""

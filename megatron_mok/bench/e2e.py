@@ -174,9 +174,18 @@ class _Deadline:
         self.timer.cancel()
 
 
-def _tail(path: str, lines: int = 15) -> str:
+def _error_lines(path: str, limit: int = 8) -> str:
+    """The first distinct lines of the log that name an error (else its last lines)."""
     with open(path) as f:
-        return "".join(f.readlines()[-lines:])
+        lines = f.readlines()
+    found: List[str] = []
+    for line in lines:
+        text = line.strip()
+        if ("Error" in text or "error:" in text) and text not in found:
+            found.append(text)
+            if len(found) == limit:
+                break
+    return "\n".join(found) if found else "".join(lines[-limit:])
 
 
 def run_one(spec: str, args, launcher_args: Sequence[str]) -> Dict[str, object]:
@@ -197,7 +206,7 @@ def run_one(spec: str, args, launcher_args: Sequence[str]) -> Dict[str, object]:
     record["returncode"] = code
     if code != 0:
         why = "timed out" if code == -signal.SIGKILL else f"exit status {code}"
-        record.update(status="failed", reason=f"{why}; last lines of {log_path}:\n{_tail(log_path)}")
+        record.update(status="failed", reason=f"{why}: {_error_lines(log_path)}\n(log: {log_path})")
         print(f"{record['label']}: failed ({why}); see {log_path}", flush=True)
         return record
     with open(log_path) as f:

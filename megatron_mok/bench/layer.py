@@ -20,19 +20,20 @@ import gc
 import os
 import sys
 import traceback
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from . import report
 from .backends import BACKENDS, Experts, Skip, TokenBatch, make_runner, parse_backends
-from .check import DEFAULT_TOL, compare, run_once
+from .check import DEFAULT_TOL, CheckResult, Outcome, compare, run_once
 from .floors import H200, layer_floors, model_flops, rates_with, tflops
 from .machine import Dist, command_line, device_type, init_distributed, machine_info, set_safe_env, utc_now
 from .routing import ROUTINGS, RoutingSpec, count_routes, make_routing
 from .shapes import SHAPES, BenchCase, ShapeError, make_case, resolve_shape
-from .timing import Stopwatch, align_ranks, slowest_rank_medians
+from .timing import Stopwatch, align_ranks, gather_floats, slowest_rank_medians
 
 SCHEMA = "megatron-mok/bench-layer/1"
 DTYPE = torch.bfloat16
@@ -58,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, help="K, experts per token (custom shape, or override)")
     p.add_argument("--tokens", type=int, default=4096, help="T, tokens per GPU")
     p.add_argument("--experts-per-gpu", nargs="+", default=["full"],
-                   help="experts held by each GPU: 'full' (the model's E / P) and/or numbers, e.g. "
-                        "'full 6' (6 per GPU is Kimi-K2's load at EP=64)")
+                   help="experts held by each GPU, one run each: 'full' (the model's E / P), a "
+                        "number (6 per GPU is Kimi-K2's load at EP=64), or 'ep=N' (E / N: the "
+                        "per-GPU load of the model on N GPUs, e.g. ep=2 on one GPU)")
     p.add_argument("--routing", choices=ROUTINGS, default="uniform", help="how tokens pick experts")
     p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent for --routing zipf")
     p.add_argument("--hot-fraction", type=float, default=1.0,
@@ -70,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=10, help="timed iterations per backend")
     p.add_argument("--check-tokens", type=int, default=256,
                    help="tokens per GPU of the correctness check against the reference (0: no check)")
+    p.add_argument("--check-mode", choices=("auto", "token-slice", "reduced-experts"), default="auto",
+                   help="token-slice: the case's weights and its first --check-tokens tokens; "
+                        "reduced-experts: up to 16 experts per GPU, same H, I, K; auto: token-slice "
+                        "when the reference's float32 copies of the weights fit in device memory")
     p.add_argument("--tol", type=float, default=None,
                    help=f"accepted relative error of the check (default {DEFAULT_TOL[DTYPE]:g} for bf16)")
     p.add_argument("--seed", type=int, default=0)
@@ -84,22 +90,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_experts_per_gpu(values: Sequence[str]) -> List[Optional[int]]:
-    """``--experts-per-gpu`` values -> None for 'full', else positive ints (in order, no repeats)."""
-    out: List[Optional[int]] = []
+ExpertsPerGpu = Union[None, int, Tuple[str, int]]
+"""None: the model's E / P; an int: that many experts per GPU; ("ep", N): E / N, the per-GPU
+load of the model on N GPUs."""
+
+
+def parse_experts_per_gpu(values: Sequence[str]) -> List[ExpertsPerGpu]:
+    """``--experts-per-gpu`` values ('full', 'N', 'ep=N') in order, without repeats."""
+    out: List[ExpertsPerGpu] = []
     for v in values:
-        if v == "full":
-            item: Optional[int] = None
-        else:
-            try:
+        item: ExpertsPerGpu
+        try:
+            if v == "full":
+                item = None
+            elif v.startswith("ep="):
+                item = ("ep", int(v[3:]))
+                if item[1] < 1:
+                    raise ValueError
+            else:
                 item = int(v)
-            except ValueError:
-                raise ShapeError(f"--experts-per-gpu {v!r} must be 'full' or a positive integer") from None
-            if item < 1:
-                raise ShapeError(f"--experts-per-gpu {v!r} must be 'full' or a positive integer")
+                if item < 1:
+                    raise ValueError
+        except ValueError:
+            raise ShapeError(f"--experts-per-gpu {v!r} must be 'full', a positive integer, or "
+                             "'ep=N' (the model's experts divided by N)") from None
         if item not in out:
             out.append(item)
     return out
+
+
+def experts_per_gpu_for(shape, item: ExpertsPerGpu) -> Optional[int]:
+    """Resolve one ``--experts-per-gpu`` item for ``shape`` (None stays "full")."""
+    if isinstance(item, tuple):
+        n = item[1]
+        if shape.num_experts % n:
+            raise ShapeError(f"--experts-per-gpu ep={n}: {shape.name}'s {shape.num_experts} "
+                             f"experts do not split into {n} equal parts")
+        return shape.num_experts // n
+    return item
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -184,8 +212,74 @@ def _agree(result: Dict[str, object], env: Dist) -> Dict[str, object]:
     return result
 
 
+@dataclass
+class CheckPlan:
+    """How backends are checked against the reference on one case.
+
+    Attributes:
+        mode: "token-slice" (the case's own weights, the first tokens of every rank) or
+            "reduced-experts" (fewer experts per GPU, same H, I, K; used when the reference's
+            float32 copies of the full weights would not fit in device memory).
+        batch: the tokens checked; experts: the weights checked.
+        oracle: the reference backend's outcome on them.
+    """
+
+    mode: str
+    batch: TokenBatch
+    experts: Experts
+    oracle: Outcome
+
+    def to_json(self) -> Dict[str, object]:
+        return {"mode": self.mode, "tokens_per_gpu": int(self.batch.x.shape[0]),
+                "experts_per_gpu": int(self.experts.fc1_weight.shape[0])}
+
+
+REFERENCE_MEMORY_FACTOR = 5.5
+"""The reference backend's extra device memory for a check, in multiples of the bf16 expert
+weights: float32 copies of the weights (2x) and of their gradients (2x), bf16 gradients (1x),
+and slack."""
+
+
+def plan_check(case: BenchCase, routing: RoutingSpec, experts: Experts, batch: TokenBatch,
+               args, env: Dist, seed: int) -> CheckPlan:
+    """Choose the check (token slice if the reference fits in memory on every rank, else a
+    reduced expert count) and run the reference on it."""
+    shape = case.shape
+    tokens = min(args.check_tokens, case.tokens_per_gpu)
+    weight_bytes = (experts.fc1_weight.numel() + experts.fc2_weight.numel()) * experts.fc1_weight.element_size()
+    fits = args.check_mode != "reduced-experts"
+    if args.check_mode == "auto" and env.device.type == "cuda":
+        free = torch.cuda.mem_get_info(env.device)[0]
+        fits = min(r[0] for r in gather_floats([free - REFERENCE_MEMORY_FACTOR * weight_bytes - 4e9],
+                                                env.group, env.device)) > 0
+    if fits:
+        check_batch, check_experts, mode = batch.head(tokens), experts, "token-slice"
+    else:
+        few = max(-(-shape.topk // case.ep_size), min(case.experts_per_gpu, 16))
+        small = BenchCase(shape=shape, ep_size=case.ep_size, experts_per_gpu=few, tokens_per_gpu=tokens)
+        check_batch = make_batch(small, routing, seed=seed + 101, device=env.device)
+        fc1, fc2 = random_weights(few, shape.hidden, shape.ffn_hidden, seed=seed + 103, device=env.device)
+        check_experts = Experts(fc1_weight=fc1, fc2_weight=fc2, num_experts=small.num_experts, group=env.group)
+        mode = "reduced-experts"
+    oracle = run_once(make_runner("reference", check_experts, shape.topk), check_batch)
+    return CheckPlan(mode=mode, batch=check_batch, experts=check_experts, oracle=oracle)
+
+
+def check_backend(name: str, runner, plan: CheckPlan, args, env: Dist, topk: int) -> CheckResult:
+    """Run backend ``name`` on the plan's batch and compare with the reference's outcome."""
+    own = plan.experts is runner.experts
+    check_runner = runner if own else make_runner(name, plan.experts, topk)
+    try:
+        got = run_once(check_runner, plan.batch)
+        return compare(got, plan.oracle, tokens=int(plan.batch.x.shape[0]),
+                       tol=args.tol or DEFAULT_TOL[DTYPE], group=env.group, device=env.device)
+    finally:
+        if not own:
+            check_runner.close()
+
+
 def run_backend(name: str, case: BenchCase, batch: TokenBatch, experts: Experts,
-                check_batch: Optional[TokenBatch], oracle, floors, args, env: Dist) -> Dict[str, object]:
+                plan: Optional[CheckPlan], floors, args, env: Dist) -> Dict[str, object]:
     """Check, then time, one backend on one case. Never raises for a backend's own failure:
     the result says "skipped", "wrong" or "failed" with the reason."""
     shape = case.shape
@@ -195,12 +289,9 @@ def run_backend(name: str, case: BenchCase, batch: TokenBatch, experts: Experts,
         runner = make_runner(name, experts, shape.topk)
         if name == "reference":
             result["check"] = {"oracle": True, "passed": True}
-        elif check_batch is not None:
-            got = run_once(runner, check_batch)
-            check = compare(got, oracle, tokens=check_batch.x.shape[0],
-                            tol=args.tol or DEFAULT_TOL[DTYPE], group=env.group, device=env.device)
-            del got
-            result["check"] = check.to_json()
+        elif plan is not None:
+            check = check_backend(name, runner, plan, args, env, shape.topk)
+            result["check"] = {**plan.to_json(), **check.to_json()}
             if not check.passed:
                 raise WrongResult(f"differs from the reference ({check.describe()}; tol {check.tol:g})")
         stats = time_backend(runner, batch, warmup=args.warmup, iters=args.iters, env=env)
@@ -257,13 +348,11 @@ def run_case(case: BenchCase, routing: RoutingSpec, backends: Sequence[str], rat
                           sent=counts.sent, received=counts.received,
                           received_remote=counts.received_remote, sent_remote=counts.sent_remote,
                           rates=rates)
-    check_batch = oracle = None
+    plan = None
     if args.check_tokens and any(b != "reference" for b in backends):
-        check_batch = batch.head(min(args.check_tokens, case.tokens_per_gpu))
-        oracle = run_once(make_runner("reference", experts, shape.topk), check_batch)
-    results = [run_backend(name, case, batch, experts, check_batch, oracle, floors, args, env)
-               for name in backends]
-    del batch, experts, fc1, fc2, oracle, check_batch
+        plan = plan_check(case, routing, experts, batch, args, env, seed)
+    results = [run_backend(name, case, batch, experts, plan, floors, args, env) for name in backends]
+    del batch, experts, fc1, fc2, plan
     gc.collect()
     if env.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -290,7 +379,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         shapes = [resolve_shape(s, hidden=args.hidden, ffn_hidden=args.ffn_hidden,
                                 num_experts=args.num_experts, topk=args.topk) for s in args.shape]
         per_gpu = parse_experts_per_gpu(args.experts_per_gpu)
-        cases = [make_case(s, world, args.tokens, n) for s in shapes for n in per_gpu]
+        cases = [make_case(s, world, args.tokens, experts_per_gpu_for(s, n)) for s in shapes for n in per_gpu]
         routing = RoutingSpec(args.routing, zipf_s=args.zipf_s, hot_fraction=args.hot_fraction)
         rates = rates_with(H200, gemm_tflops=args.gemm_tflops, hbm_gbps=args.hbm_gbps, peer_gbps=args.peer_gbps)
         backends = parse_backends(args.backends, device_type(args.device))
@@ -327,5 +416,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"wrote {stem}.json, {stem}.png, {stem}.md", flush=True)
         return 0
     finally:
-        if env.group is not None and dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()

@@ -51,8 +51,20 @@ def unavailable_reason(name: str, device: torch.device) -> Optional[str]:
 
 def ensure_parallel_state(ep_size: int) -> None:
     """Initialise Megatron's parallel state with TP = PP = 1 and EP = ``ep_size`` over the
-    default process group, or check that it already is."""
+    default process group, or check that it already is. A single process without a process
+    group (one GPU, not started by torchrun) gets a one-rank NCCL group first."""
+    import socket
+
+    import torch.distributed as dist
     from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        if ep_size != 1:
+            raise RuntimeError(f"EP size {ep_size} needs a process group; start with torchrun")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
     if parallel_state.model_parallel_is_initialized():
         have = parallel_state.get_expert_model_parallel_world_size()

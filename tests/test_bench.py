@@ -1,0 +1,440 @@
+"""The benchmarks on the CPU: argument handling, floors arithmetic, routing, the all_to_all +
+grouped-GEMM baseline, Megatron log parsing, and whole small runs (gloo ranks under torchrun)
+that write the JSON, PNG and Markdown outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_mok.bench import __main__ as bench_main
+from megatron_mok.bench import e2e, layer, report
+from megatron_mok.bench.a2a_baseline import _source_to_expert_order
+from megatron_mok.bench.floors import H200, DeviceRates, hbm_bytes, layer_floors, model_flops, rates_with
+from megatron_mok.bench.megatron_log import LogError, parse_log, summarize
+from megatron_mok.bench.routing import RouteCounts, RoutingError, RoutingSpec, count_routes, make_routing
+from megatron_mok.bench.shapes import SHAPES, ShapeError, make_case, resolve_shape
+from megatron_mok.bench.timing import slowest_rank_medians
+
+from .distributed import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(str(path))
+    assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 400
+
+
+# ----------------------------------------------------------------------------------------------
+# Floors.
+
+
+def test_floors_by_hand_deepseek_v3_two_gpus():
+    """DeepSeek-V3 on 2 GPUs, 4096 tokens each, perfectly balanced routing: every rank computes
+    T*K = 32768 rows, half of them from the other rank."""
+    H, I, L, T, K = 7168, 2048, 128, 4096, 8
+    S = R = T * K
+    remote = R // 2
+    f = layer_floors(hidden=H, ffn_hidden=I, experts_per_gpu=L, tokens=[T, T], sent=[S, S],
+                     received=[R, R], received_remote=[remote, remote], sent_remote=[remote, remote],
+                     rates=H200)
+    fwd, bwd = f["forward"], f["backward"]
+    assert fwd.flops == 6 * 32768 * 7168 * 2048
+    assert fwd.compute_ms == pytest.approx(2.8862e12 / 792e12 * 1e3, rel=1e-4)  # 3.644 ms
+    weights = 3 * 7168 * 2048 * 2 * 128  # 11.27 GB of bf16 expert weights
+    assert fwd.hbm_bytes["weights_read"] == weights
+    acts = 2 * (T * H + 2 * R * H + R * 2 * I + 2 * R * I + 2 * S * H + T * H)
+    assert sum(fwd.hbm_bytes.values()) == weights + acts
+    assert fwd.hbm_ms == pytest.approx((weights + acts) / 4153e9 * 1e3)
+    assert fwd.nvlink_bytes == 32768 * 7168 * 2  # 16384 rows in + 16384 out, per direction
+    assert fwd.nvlink_ms == pytest.approx(469.76e6 / 370e9 * 1e3, rel=1e-4)  # 1.270 ms
+    assert fwd.dispatch_bytes == 16384 * 7168 * 2
+    assert fwd.floor_ms == max(fwd.compute_ms, fwd.hbm_ms, fwd.nvlink_ms)
+    assert fwd.bound == "compute" and fwd.floor_ms == pytest.approx(3.644, abs=1e-3)
+    assert bwd.flops == 2 * fwd.flops
+    assert bwd.hbm_bytes["weights_read"] == bwd.hbm_bytes["weight_grads_write"] == weights
+    assert bwd.nvlink_bytes == fwd.nvlink_bytes
+
+
+def test_floors_weight_bound_with_many_experts_and_slowest_rank_counts():
+    """Kimi-K2's 384 experts on 2 GPUs are HBM-bound; a rank that receives more rows sets the
+    compute floor."""
+    H, I, L, T = 7168, 2048, 192, 4096
+    f = layer_floors(hidden=H, ffn_hidden=I, experts_per_gpu=L, tokens=[T, T], sent=[32768, 32768],
+                     received=[30000, 35536], received_remote=[14000, 19536],
+                     sent_remote=[19536, 14000], rates=H200)["forward"]
+    assert f.bound == "hbm"
+    assert f.flops == 6 * 35536 * H * I
+    assert f.hbm_bytes["weights_read"] == 3 * H * I * 2 * 192
+    assert f.nvlink_bytes == (14000 + 19536) * H * 2
+    assert f.dispatch_bytes == 19536 * H * 2
+
+
+def test_floors_single_gpu_has_no_nvlink_term_and_rates_override():
+    f = layer_floors(hidden=64, ffn_hidden=32, experts_per_gpu=4, tokens=[10], sent=[20],
+                     received=[20], received_remote=[0], sent_remote=[0], rates=H200)
+    assert f["forward"].nvlink_bytes == 0 and f["forward"].nvlink_ms == 0
+    slow = rates_with(H200, gemm_tflops=1.0)
+    assert slow.gemm_tflops == 1.0 and slow.hbm_gbps == H200.hbm_gbps and "command line" in slow.source
+    with pytest.raises(ValueError, match="gemm_tflops"):
+        DeviceRates(gemm_tflops=0, hbm_gbps=1, peer_gbps=1, source="x")
+    with pytest.raises(ValueError, match="same non-zero length"):
+        layer_floors(hidden=1, ffn_hidden=1, experts_per_gpu=1, tokens=[1, 1], sent=[1], received=[1],
+                     received_remote=[0], sent_remote=[0], rates=H200)
+    assert model_flops(4096, 8, 7168, 2048) == 6 * 4096 * 8 * 7168 * 2048
+    assert hbm_bytes(hidden=2, ffn_hidden=1, experts=1, tokens=1, sent=1, received=1, backward=True)[
+        "weight_grads_write"] == 3 * 2 * 1 * 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Shapes, routing, arguments.
+
+
+def test_named_shapes_and_custom():
+    kimi = resolve_shape("Kimi-K2")
+    assert (kimi.hidden, kimi.ffn_hidden, kimi.num_experts, kimi.topk) == (7168, 2048, 384, 8)
+    assert resolve_shape("deepseek-v3").num_experts == 256
+    assert set(SHAPES) == {"kimi-k2", "deepseek-v3", "qwen3-235b", "glm-4.5"}
+    custom = resolve_shape("custom", hidden=64, ffn_hidden=32, num_experts=8, topk=2)
+    assert custom.name == "custom" and custom.topk == 2
+    changed = resolve_shape("kimi-k2", topk=4)
+    assert changed.name == "Kimi-K2*" and changed.topk == 4 and changed.hidden == 7168
+    with pytest.raises(ShapeError, match="unknown shape 'gpt-5'.*kimi-k2"):
+        resolve_shape("gpt-5")
+    with pytest.raises(ShapeError, match="--ffn-hidden"):
+        resolve_shape("custom", hidden=64, num_experts=8, topk=2)
+
+
+def test_cases_full_and_per_gpu_counts():
+    kimi = resolve_shape("kimi-k2")
+    full = make_case(kimi, 2, 4096)
+    assert full.experts_per_gpu == 192 and full.full and full.label == "Kimi-K2, 192 exp/GPU"
+    six = make_case(kimi, 2, 4096, 6)
+    assert six.num_experts == 12 and not six.full
+    with pytest.raises(ShapeError, match="fewer than top-k=8"):
+        make_case(kimi, 1, 4096, 6)
+    with pytest.raises(ShapeError, match="not divisible by 5 GPUs"):
+        make_case(kimi, 5, 4096)
+    assert layer.parse_experts_per_gpu(["full", "6", "ep=2", "6"]) == [None, 6, ("ep", 2)]
+    assert layer.experts_per_gpu_for(kimi, ("ep", 64)) == 6
+    with pytest.raises(ShapeError, match="do not split into 5"):
+        layer.experts_per_gpu_for(kimi, ("ep", 5))
+    with pytest.raises(ShapeError, match="'zero'"):
+        layer.parse_experts_per_gpu(["zero"])
+
+
+@pytest.mark.parametrize("kind", ["uniform", "zipf", "hot"])
+def test_routing_distinct_experts_and_normalised_weights(kind):
+    spec = RoutingSpec(kind, zipf_s=1.5, hot_fraction=0.5)
+    ids, w = make_routing(spec, 2000, 16, 4, seed=3, device=torch.device("cpu"))
+    assert ids.dtype == torch.int64 and ids.shape == (2000, 4) and w.dtype == torch.float32
+    assert int(ids.min()) >= 0 and int(ids.max()) < 16
+    assert all(len(set(row)) == 4 for row in ids.tolist())
+    assert torch.allclose(w.sum(1), torch.ones(2000)) and bool((w > 0).all())
+    load = torch.bincount(ids.reshape(-1), minlength=16).double()
+    if kind == "uniform":
+        assert load.max() / load.mean() < 1.3
+    elif kind == "zipf":
+        assert load.max() / load.mean() > 1.8
+    else:
+        hot_tokens = int((ids == 0).any(1).sum())
+        assert 900 < hot_tokens < 1100  # half the tokens pick the hot expert
+
+
+def test_routing_rejects_bad_parameters():
+    with pytest.raises(RoutingError, match="'skewed'"):
+        RoutingSpec("skewed")
+    with pytest.raises(RoutingError, match="--hot-fraction 1.5"):
+        RoutingSpec("hot", hot_fraction=1.5)
+    with pytest.raises(RoutingError, match="--zipf-s"):
+        RoutingSpec("zipf", zipf_s=0)
+
+
+def test_route_counts_single_rank():
+    ids = torch.tensor([[0, 1], [1, 3], [2, -1]])
+    counts = count_routes(ids, experts_per_rank=4, ep_size=1)
+    assert counts.matrix.tolist() == [[5]]
+    assert counts.expert_load.tolist() == [1, 2, 1, 1]
+    assert counts.received_remote == [0] and counts.sent == [5]
+    two = RouteCounts(matrix=torch.tensor([[3, 5], [7, 2]]), expert_load=torch.tensor([1]))
+    assert two.received == [10, 7] and two.received_remote == [7, 5] and two.sent_remote == [5, 7]
+
+
+def _layer_error(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        layer.main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_layer_argument_errors_are_clear(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert "unknown shape 'nope'" in _layer_error(capsys, ["--shape", "nope"])
+    assert "fewer than top-k=8" in _layer_error(capsys, ["--shape", "kimi-k2", "--experts-per-gpu", "6"])
+    assert "unknown ['fast']" in _layer_error(capsys, ["--backends", "a2a-grouped-mm,fast", "--device", "cpu"])
+    assert "--iters 0 must be >= 1" in _layer_error(capsys, ["--iters", "0"])
+    assert "invalid choice: 'skewed'" in _layer_error(capsys, ["--routing", "skewed"])
+    assert "--ffn-hidden" in _layer_error(capsys, ["--shape", "custom", "--hidden", "64"])
+
+
+def test_bench_entry_point(capsys, monkeypatch):
+    assert bench_main.main(["nope"]) == 2
+    assert "unknown subcommand 'nope'" in capsys.readouterr().err
+    monkeypatch.setitem(bench_main.SUBCOMMANDS, "gemm", ("megatron_mok.bench.no_such_module", "x"))
+    assert bench_main.main(["gemm"]) == 2
+    assert "needs megatron_mok.bench.no_such_module, which is not part of this installation" in capsys.readouterr().err
+    assert bench_main.main([]) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# The baseline's regrouping and the slowest-rank statistics.
+
+
+def test_source_to_expert_order():
+    # Rows arrive grouped by (source rank, local expert): s0e0 x2, s0e1 x1, s1e0 x1, s1e1 x3.
+    recv = torch.tensor([[2, 1], [1, 3]])
+    order = _source_to_expert_order(recv).tolist()
+    # Expert-major: e0 <- s0 rows 0,1 then s1 row 3; e1 <- s0 row 2 then s1 rows 4,5,6.
+    assert order == [0, 1, 3, 2, 4, 5, 6]
+    assert _source_to_expert_order(torch.zeros(2, 3, dtype=torch.int64)).numel() == 0
+
+
+def _slowest_rank(rank, world):
+    samples = {"forward": [1.0 + rank, 5.0 + rank, 2.0 + rank], "backward": [10.0 * (world - rank)]}
+    out = slowest_rank_medians(samples, dist.group.WORLD, torch.device("cpu"))
+    assert out["forward"]["per_rank_ms"] == [2.0, 3.0]
+    assert out["forward"]["ms"] == 3.0
+    assert out["backward"]["ms"] == 20.0
+
+
+def test_slowest_rank_median_over_gloo():
+    run_ranks(_slowest_rank, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# A whole layer run on two gloo ranks.
+
+
+def test_layer_run_on_gloo_writes_checked_results(tmp_path):
+    out = tmp_path / "res"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "-m", "megatron_mok.bench", "layer", "--shape", "custom", "--hidden", "64",
+           "--ffn-hidden", "32", "--num-experts", "8", "--topk", "2", "--tokens", "48",
+           "--experts-per-gpu", "full", "2", "--warmup", "1", "--iters", "2", "--check-tokens", "16",
+           "--backends", "mok-cuda,a2a-grouped-mm,megatron-alltoall,reference", "--device", "cpu",
+           "--out", str(out), "--name", "small"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "== custom, 4 exp/GPU | 48 tokens/GPU | 2 GPU(s)" in proc.stdout
+    assert "megatron-alltoall  skipped: Megatron-Core's MoE token dispatchers" in proc.stdout
+    assert "mok-cuda" in proc.stdout and "skipped: backend='cuda' cannot run" in proc.stdout
+
+    doc = json.loads((out / "small.json").read_text())
+    assert doc["schema"] == "megatron-mok/bench-layer/1"
+    assert doc["rates"]["gemm_tflops"] == 792.0 and "device-facts" in doc["rates"]["source"]
+    assert doc["command"].startswith("torchrun --nproc-per-node 2 -m megatron_mok.bench layer")
+    assert [r["label"] for r in doc["runs"]] == ["custom, 4 exp/GPU", "custom, 2 exp/GPU"]
+    for run in doc["runs"]:
+        case, routes = run["case"], run["routes"]
+        L = case["experts_per_gpu"]
+        assert case["num_experts"] == 2 * L and case["tokens_per_gpu"] == 48
+        assert routes["sent"] == [96, 96] and sum(routes["received"]) == 192
+        # The floors in the file are those of the route counts in the file.
+        want = layer_floors(hidden=64, ffn_hidden=32, experts_per_gpu=L, tokens=[48, 48],
+                            sent=routes["sent"], received=routes["received"],
+                            received_remote=routes["received_remote"],
+                            sent_remote=routes["sent_remote"], rates=H200)
+        for name in ("forward", "backward"):
+            got = run["floors"][name]
+            assert got["floor_ms"] == pytest.approx(want[name].floor_ms)
+            assert got["bound"] == want[name].bound
+        assert run["floors"]["forward"]["flops"] == 6 * max(routes["received"]) * 64 * 32
+        assert run["floors"]["forward"]["nvlink_bytes"] == max(
+            (a + b) * 64 * 2 for a, b in zip(routes["received_remote"], routes["sent_remote"]))
+        assert run["model_flops_forward"] == 6 * 48 * 2 * 64 * 32
+
+        results = {r["backend"]: r for r in run["results"]}
+        assert list(results) == ["mok-cuda", "a2a-grouped-mm", "megatron-alltoall", "reference"]
+        assert results["mok-cuda"]["status"] == "skipped"
+        assert results["megatron-alltoall"]["status"] == "skipped"
+        base = results["a2a-grouped-mm"]
+        assert base["status"] == "ok", base
+        check = base["check"]
+        assert check["passed"] and check["mode"] == "token-slice" and check["tokens_per_gpu"] == 16
+        assert set(check["rel_errors"]) == {"y", "x", "topk_weights", "fc1_weight", "fc2_weight"}
+        assert all(0 < e < 2e-2 for e in check["rel_errors"].values())
+        assert base["forward_ms"] == max(base["forward_per_rank_ms"]) > 0
+        assert base["forward_tflops"] == pytest.approx(run["model_flops_forward"] / (base["forward_ms"] * 1e-3) / 1e12)
+        assert base["backward_tflops"] == pytest.approx(2 * run["model_flops_forward"] / (base["backward_ms"] * 1e-3) / 1e12)
+        assert base["forward_vs_floor"] == pytest.approx(base["forward_ms"] / run["floors"]["forward"]["floor_ms"])
+        assert set(base["forward_phases_ms"]) == {"dispatch", "experts", "combine"}
+        assert results["reference"]["status"] == "ok" and results["reference"]["check"]["oracle"]
+
+    _assert_png(out / "small.png")
+    md = (out / "small.md").read_text()
+    assert "| backend | fwd ms |" in md and "| a2a-grouped-mm |" in md and "forward floor" in md
+
+
+def test_layer_chart_with_skipped_backend_and_floor(tmp_path):
+    doc = {
+        "machine": {"gpu": "NVIDIA H200"}, "settings": {"routing_label": "uniform"},
+        "runs": [{
+            "label": "Kimi-K2, 192 exp/GPU", "case": {"tokens_per_gpu": 4096, "ep_size": 2},
+            "floors": {"forward": {"floor_ms": 4.9}, "backward": {"floor_ms": 9.8}},
+            "results": [
+                {"backend": "a2a-grouped-mm", "status": "ok", "forward_ms": 14.3, "backward_ms": 30.0},
+                {"backend": "megatron-flex-deepep", "status": "skipped", "reason": "no deep_ep"},
+                {"backend": "mok-megakernel", "status": "ok", "forward_ms": 6.0, "backward_ms": 12.0},
+            ]}],
+    }
+    path = tmp_path / "chart.png"
+    report.layer_chart(doc, str(path))
+    _assert_png(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# The end-to-end comparison.
+
+MEGATRON_LINE = (" [2026-11-29 12:00:00.000000] iteration {it:8d}/{n:8d} | consumed samples: {cs:12d} | "
+                 "elapsed time per iteration (ms): {ms:.1f} | throughput per GPU (TFLOP/s/GPU): {tf:.1f} | "
+                 "learning rate: 1.000000E-04 | global batch size: {gbs:5d} | lm loss: {loss:.6E} | "
+                 "loss scale: 1.0 | grad norm: 1.000 | number of skipped iterations:   0 | "
+                 "number of nan iterations:   0 |")
+
+
+def _args_block(**values):
+    lines = ["------------------------ arguments ------------------------"]
+    for k, v in sorted(values.items()):
+        lines.append("  {} {} {}".format(k, "." * (48 - len(k)), v))
+    lines.append("-------------------- end of arguments ---------------------")
+    return "\n".join(lines)
+
+
+def test_parse_megatron_log_and_tokens_per_second():
+    text = "\n".join([
+        "noise before",
+        _args_block(seq_length=4096, world_size=2, moe_token_dispatcher_type="alltoall",
+                    global_batch_size=8),
+        *[MEGATRON_LINE.format(it=i, n=5, cs=8 * i, ms=ms, tf=100.0 + i, gbs=8, loss=10.0 - i)
+          for i, ms in enumerate([3000.0, 1000.0, 1100.0, 900.0, 1000.0], start=1)],
+    ])
+    args, its = parse_log(text)
+    assert args["seq_length"] == "4096" and args["moe_token_dispatcher_type"] == "alltoall"
+    assert [it.iteration for it in its] == [1, 2, 3, 4, 5]
+    assert its[0].elapsed_ms == 3000.0 and its[2].tflops_per_gpu == 103.0 and its[4].lm_loss == 5.0
+    s = summarize(args, its, skip=1)
+    assert s["step_ms"] == 1000.0 and s["iterations_measured"] == 4
+    assert s["tokens_per_s_per_gpu"] == pytest.approx(8 * 4096 / 1.0 / 2)
+    assert s["tflops_per_gpu"] == pytest.approx(103.5) and s["lm_loss_last"] == 5.0
+    with pytest.raises(LogError, match="no logged iteration after the first 5"):
+        summarize(args, its, skip=5)
+    with pytest.raises(LogError, match="seq_length"):
+        summarize({"world_size": "2"}, its, skip=1)
+
+
+FAKE_LAUNCHER = textwrap.dedent('''
+    """Prints Megatron's training log for a fake run (test fixture of the e2e comparison)."""
+    import argparse, os, sys
+    p = argparse.ArgumentParser()
+    p.add_argument("--moe-token-dispatcher-type"); p.add_argument("--mok-backend")
+    p.add_argument("--train-iters", type=int); p.add_argument("--log-interval", type=int)
+    p.add_argument("--eval-iters", type=int); p.add_argument("--log-throughput", action="store_true")
+    p.add_argument("--seq-length", type=int); p.add_argument("--global-batch-size", type=int)
+    a, _ = p.parse_known_args()
+    if a.moe_token_dispatcher_type == "allgather":
+        sys.exit("RuntimeError: allgather is broken in this fake")
+    if int(os.environ["RANK"]) == 0:
+        print("------------------------ arguments ------------------------")
+        for k, v in (("moe_token_dispatcher_type", a.moe_token_dispatcher_type),
+                     ("seq_length", a.seq_length), ("world_size", os.environ["WORLD_SIZE"])):
+            print("  {} {} {}".format(k, "." * (48 - len(k)), v))
+        print("-------------------- end of arguments ---------------------")
+        step = {"alltoall": 200.0, "mok": 100.0}[a.moe_token_dispatcher_type]
+        for i in range(1, a.train_iters + 1):
+            ms = step * (5 if i == 1 else 1) + i % 2
+            print(f" [2026-11-29 12:00:00.000000] iteration {i:8d}/{a.train_iters:8d} | elapsed time "
+                  f"per iteration (ms): {ms:.1f} | global batch size: {a.global_batch_size:5d} | "
+                  f"lm loss: {9.0 - i * 0.5:.6E} |")
+''')
+
+
+def test_e2e_with_a_fake_launcher(tmp_path, capsys):
+    launcher = tmp_path / "fake_pretrain.py"
+    launcher.write_text(FAKE_LAUNCHER)
+    args_file = tmp_path / "proxy.args"
+    args_file.write_text("# proxy model\n--seq-length 256\n--global-batch-size 16  # sequences\n")
+    out = tmp_path / "e2e"
+    old = dict(os.environ)
+    os.environ.update({k: v for k, v in _env().items() if k in ("PYTHONPATH", "OMP_NUM_THREADS")})
+    try:
+        code = e2e.main(["--launcher", str(launcher), "--nproc-per-node", "2", "--iters", "5",
+                         "--skip-iters", "1", "--dispatchers", "alltoall,mok:cuda,flex-deepep,allgather",
+                         "--args-file", str(args_file), "--out", str(out), "--no-throughput"])
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    assert code == 1  # the allgather run failed
+    printed = capsys.readouterr().out
+    assert "flex-deepep: skipped: DeepEP is not installed" in printed
+    doc = json.loads((out / "e2e.json").read_text())
+    assert doc["schema"] == "megatron-mok/bench-e2e/1"
+    assert doc["settings"]["launcher_args"] == ["--seq-length", "256", "--global-batch-size", "16"]
+    runs = {r["dispatcher"]: r for r in doc["runs"]}
+    a2a, mok = runs["alltoall"], runs["mok:cuda"]
+    assert a2a["status"] == mok["status"] == "ok"
+    assert "--moe-token-dispatcher-type mok --mok-backend cuda" in mok["command"]
+    assert "--train-iters 5 --log-interval 1 --eval-iters 0" in mok["command"]
+    assert a2a["step_ms_per_iteration"] == [200.0, 201.0, 200.0, 201.0]
+    assert a2a["step_ms"] == 200.5 and mok["step_ms"] == 100.5
+    assert a2a["tokens_per_s_per_gpu"] == pytest.approx(16 * 256 / 0.2005 / 2)
+    assert mok["lm_loss_last"] == 6.5 and a2a["world_size"] == 2
+    assert runs["flex-deepep"]["status"] == "skipped"
+    assert runs["allgather"]["status"] == "failed" and "allgather is broken" in runs["allgather"]["reason"]
+    assert Path(a2a["log"]).exists()
+    _assert_png(out / "e2e.png")
+    md = (out / "e2e.md").read_text()
+    assert "| mok (cuda) | 100.5 |" in md and "| allgather | failed: exit status 1: RuntimeError: allgather is broken in this fake |" in md
+
+
+def test_e2e_argument_errors(capsys):
+    for argv, message in ((["--dispatchers", "mok:fast"], "only mok takes a backend"),
+                          (["--dispatchers", "alltoall,alltoall"], "names a dispatcher twice"),
+                          (["--iters", "3", "--skip-iters", "3"], "0 <= skip-iters < iters"),
+                          (["--launcher", "/no/such/pretrain.py"], "does not exist"),
+                          (["--args-file", "/no/such/file"], "cannot be read")):
+        with pytest.raises(SystemExit) as exc:
+            e2e.main(argv)
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
