@@ -1,0 +1,105 @@
+// The standalone persistent kernels: one CTA per SM, each walking its share of the tile
+// sequence with the tile loop of mainloop.cuh and an epilogue of epilogue.cuh.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mok/gemm/config.cuh"
+#include "mok/gemm/epilogue.cuh"
+#include "mok/gemm/mainloop.cuh"
+#include "mok/gemm/pipeline.cuh"
+#include "mok/gemm/scheduler.cuh"
+
+namespace mok {
+namespace gemm {
+
+template <class Epi>
+struct RowKernelParams {
+  RowOperands op;
+  typename Epi::Params epi;
+  const int32_t* offsets;  // [L + 1]
+  const int32_t* counts;   // [L] or null
+  int L;
+  int num_cb;              // column blocks
+  int64_t rows_cap;
+};
+
+template <class Cfg, class Epi>
+__global__ void __launch_bounds__(kThreads, 1)
+    row_gemm_kernel(const __grid_constant__ RowKernelParams<Epi> p) {
+  extern __shared__ uint8_t smem_raw[];
+  const SmemRing<Cfg::kStages, Cfg::kStageBytes, Cfg::kABytes> ring(smem_raw);
+  if (threadIdx.x == 0) ring.init_barriers();
+  for (int i = threadIdx.x; i <= p.L; i += blockDim.x) ring.table0[i] = p.offsets[i];
+  __syncthreads();
+  const RowScheduler sched(ring.table0, p.counts, p.L, Cfg::BM, p.num_cb, p.rows_cap);
+  const int wg = threadIdx.x / 128;
+  PipeState st;
+  if (wg == 0) {
+    setmaxnreg_dec<kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      tma_prefetch_descriptor(&p.op.map_a);
+      tma_prefetch_descriptor(&p.op.map_b);
+      for (int t = blockIdx.x; t < sched.total; t += gridDim.x)
+        load_row_tile<Cfg>(p.op, sched.tile(t), ring, st);
+    }
+  } else {
+    setmaxnreg_inc<kConsumerRegisters>();
+    const int cw = wg - 1;
+    const int wm = cw % Cfg::WM, wn = cw / Cfg::WM;
+    float acc[Cfg::kAccRegs];
+    for (int t = blockIdx.x; t < sched.total; t += gridDim.x) {
+      const RowTile tile = sched.tile(t);
+      mma_row_tile<Cfg>(p.op, wm, wn, ring, st, acc);
+      Epi::template apply<Cfg::WGN>(p.epi, tile, wm, wn, Cfg::BN, acc);
+    }
+  }
+}
+
+struct WgradKernelParams {
+  WgradOperands op;
+  WgradEpilogue::Params epi;
+  const int32_t* offsets;  // [L + 1]
+  int L;
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, 1)
+    wgrad_kernel(const __grid_constant__ WgradKernelParams p) {
+  static_assert(Cfg::BM == WgradCfg::BM && Cfg::BN == WgradCfg::BN, "one weight-gradient shape");
+  extern __shared__ uint8_t smem_raw[];
+  const SmemRing<WgradCfg::kStages, WgradCfg::kStageBytes, WgradCfg::kABytes> ring(smem_raw);
+  if (threadIdx.x == 0) ring.init_barriers();
+  for (int i = threadIdx.x; i <= p.L; i += blockDim.x) ring.table0[i] = p.offsets[i];
+  __syncthreads();
+  WgradScheduler::build_order(ring.table0, ring.table1, p.L);
+  __syncthreads();
+  const WgradScheduler sched(ring.table0, ring.table1, p.L, p.op.M / WgradCfg::BM,
+                             p.op.N / WgradCfg::BN);
+  const int wg = threadIdx.x / 128;
+  PipeState st;
+  if (wg == 0) {
+    setmaxnreg_dec<kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      tma_prefetch_descriptor(&p.op.map_a);
+      tma_prefetch_descriptor(&p.op.map_b);
+      for (int t = blockIdx.x; t < sched.total; t += gridDim.x)
+        load_wgrad_tile(p.op, sched.tile(t, WgradCfg::BM, WgradCfg::BN), ring, st);
+    }
+  } else {
+    setmaxnreg_inc<kConsumerRegisters>();
+    const int wm = wg - 1;
+    float acc[WgradCfg::kAccRegs];
+    for (int t = blockIdx.x; t < sched.total; t += gridDim.x) {
+      const WgradTile tile = sched.tile(t, WgradCfg::BM, WgradCfg::BN);
+      mma_wgrad_tile(tile, wm, ring, st, acc);
+      WgradEpilogue::apply<WgradCfg::WGN>(p.epi, tile, wm, acc);
+    }
+  }
+}
+
+}  // namespace gemm
+}  // namespace mok

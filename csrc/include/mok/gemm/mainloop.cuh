@@ -1,0 +1,170 @@
+// The tile loop: what the producer thread and the consumer warpgroups do for ONE tile.
+//
+// These are the entry points a persistent kernel calls tile by tile: the TMA thread calls
+// load_*_tile(tile) and each consumer warpgroup calls mma_*_tile(tile) followed by an
+// epilogue from epilogue.cuh; both sides advance their own PipeState over the same tiles in
+// the same order. Nothing here synchronises the CTA, so the caller is free to interleave
+// other roles (communication warps, other GEMMs) around them.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "mok/gemm/config.cuh"
+#include "mok/gemm/pipeline.cuh"
+#include "mok/gemm/ptx.cuh"
+#include "mok/gemm/scheduler.cuh"
+#include "mok/gemm/wgmma.cuh"
+
+namespace mok {
+namespace gemm {
+
+// Global operands of a row-grouped GEMM out[R, N] = A[R, K] * B_e for the rows of expert e.
+struct RowOperands {
+  CUtensorMap map_a;  // A [rows_cap, K] bf16, box {64, BM}, 128-byte swizzle
+  CUtensorMap map_b;  // kKMajor/kSwiGLU: [L * N, K], box {64, WGN or WGN/2};
+                      // kMNMajor: [L * K, N], box {64, 64}
+  int K;              // reduction length (a multiple of 64)
+  int N;              // columns of B per expert (kSwiGLU: 2I)
+};
+
+template <class Cfg>
+__device__ __forceinline__ void load_row_tile(const RowOperands& op, const RowTile& t,
+                                              const SmemRing<Cfg::kStages, Cfg::kStageBytes,
+                                                             Cfg::kABytes>& ring,
+                                              PipeState& st) {
+  const int nk = op.K / kBK;
+  for (int kb = 0; kb < nk; ++kb) {
+    uint64_t* bar = ring.acquire(st, Cfg::kStageBytes);
+    const int k0 = kb * kBK;
+    tma_load_2d(ring.a(st.stage), &op.map_a, bar, k0, t.row0);
+    uint8_t* b = ring.b(st.stage);
+    if constexpr (Cfg::kB == BLayout::kKMajor) {
+#pragma unroll
+      for (int wn = 0; wn < Cfg::WN; ++wn)
+        tma_load_2d(b + wn * Cfg::WGN * 128, &op.map_b, bar, k0,
+                    t.expert * op.N + t.col_block * Cfg::BN + wn * Cfg::WGN);
+    } else if constexpr (Cfg::kB == BLayout::kSwiGLU) {
+      // Warpgroup wn multiplies gate columns [h, h + WGN/2) and the same up columns.
+      const int inter = op.N / 2;
+      const int h0 = t.col_block * (Cfg::BN / 2);
+#pragma unroll
+      for (int wn = 0; wn < Cfg::WN; ++wn) {
+        const int h = h0 + wn * (Cfg::WGN / 2);
+        uint8_t* dst = b + wn * Cfg::WGN * 128;
+        tma_load_2d(dst, &op.map_b, bar, k0, t.expert * op.N + h);
+        tma_load_2d(dst + (Cfg::WGN / 2) * 128, &op.map_b, bar, k0, t.expert * op.N + inter + h);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < Cfg::BN / 64; ++j)
+        tma_load_2d(b + j * 8192, &op.map_b, bar, t.col_block * Cfg::BN + j * 64,
+                    t.expert * op.K + k0);
+    }
+    st.template advance<Cfg::kStages>();
+  }
+}
+
+// Consumer warpgroup (wm, wn) of the tile: acc = A[rows wm*64 .. +64] * B[cols wn*WGN .. +WGN].
+template <class Cfg>
+__device__ __forceinline__ void mma_row_tile(const RowOperands& op, int wm, int wn,
+                                             const SmemRing<Cfg::kStages, Cfg::kStageBytes,
+                                                            Cfg::kABytes>& ring,
+                                             PipeState& st, float (&acc)[Cfg::kAccRegs]) {
+#pragma unroll
+  for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;
+  const int nk = op.K / kBK;
+  int prev = -1;
+  for (int kb = 0; kb < nk; ++kb) {
+    ring.wait_full(st);
+    const uint32_t a = smem_addr(ring.a(st.stage)) + wm * 64 * 128;
+    const uint32_t b = smem_addr(ring.b(st.stage)) + wn * Cfg::WGN * 128;
+    fence_registers(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kBK / 16; ++k) {
+      const uint64_t da = make_smem_desc(a + k * 32, 16, 1024);
+      const uint64_t db = Cfg::kTransB ? make_smem_desc(b + k * 2048, 8192, 1024)
+                                       : make_smem_desc(b + k * 32, 16, 1024);
+      if constexpr (Cfg::WGN == 256)
+        wgmma_m64n256k16_bf16<0, Cfg::kTransB>(da, db, acc, 1);
+      else
+        wgmma_m64n128k16_bf16<0, Cfg::kTransB>(da, db, acc, 1);
+    }
+    wgmma_commit();
+    fence_registers(acc);
+    wgmma_wait<1>();  // the previous k-block's group is done: its stage can be refilled
+    fence_registers(acc);
+    if (prev >= 0) ring.release(prev);
+    prev = st.stage;
+    st.template advance<Cfg::kStages>();
+  }
+  wgmma_wait<0>();
+  fence_registers(acc);
+  if (prev >= 0) ring.release(prev);
+}
+
+// Global operands of a weight gradient out[e] = A_e^T * B_e (A [rows, M], B [rows, N]).
+struct WgradOperands {
+  CUtensorMap map_a;  // A [rows_cap, M] bf16, box {64, 64}
+  CUtensorMap map_b;  // B [rows_cap, N] bf16, box {64, 64}
+  int M, N;
+};
+
+__device__ __forceinline__ void load_wgrad_tile(const WgradOperands& op, const WgradTile& t,
+                                                const SmemRing<WgradCfg::kStages,
+                                                               WgradCfg::kStageBytes,
+                                                               WgradCfg::kABytes>& ring,
+                                                PipeState& st) {
+  const int nk = t.k_rows / kBK;
+  for (int kb = 0; kb < nk; ++kb) {
+    uint64_t* bar = ring.acquire(st, WgradCfg::kStageBytes);
+    const int r = t.row0 + kb * kBK;
+    uint8_t* a = ring.a(st.stage);
+    uint8_t* b = ring.b(st.stage);
+#pragma unroll
+    for (int j = 0; j < WgradCfg::BM / 64; ++j) tma_load_2d(a + j * 8192, &op.map_a, bar, t.m0 + j * 64, r);
+#pragma unroll
+    for (int j = 0; j < WgradCfg::BN / 64; ++j) tma_load_2d(b + j * 8192, &op.map_b, bar, t.n0 + j * 64, r);
+    st.advance<WgradCfg::kStages>();
+  }
+}
+
+// Consumer warpgroup wm (rows wm*64 .. +64 of the output tile, all BN columns).
+__device__ __forceinline__ void mma_wgrad_tile(const WgradTile& t, int wm,
+                                               const SmemRing<WgradCfg::kStages,
+                                                              WgradCfg::kStageBytes,
+                                                              WgradCfg::kABytes>& ring,
+                                               PipeState& st, float (&acc)[WgradCfg::kAccRegs]) {
+#pragma unroll
+  for (int i = 0; i < WgradCfg::kAccRegs; ++i) acc[i] = 0.f;
+  const int nk = t.k_rows / kBK;
+  int prev = -1;
+  for (int kb = 0; kb < nk; ++kb) {
+    ring.wait_full(st);
+    const uint32_t a = smem_addr(ring.a(st.stage)) + wm * 8192;
+    const uint32_t b = smem_addr(ring.b(st.stage));
+    fence_registers(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kBK / 16; ++k) {
+      const uint64_t da = make_smem_desc(a + k * 2048, 8192, 1024);
+      const uint64_t db = make_smem_desc(b + k * 2048, 8192, 1024);
+      wgmma_m64n256k16_bf16<1, 1>(da, db, acc, 1);
+    }
+    wgmma_commit();
+    fence_registers(acc);
+    wgmma_wait<1>();
+    fence_registers(acc);
+    if (prev >= 0) ring.release(prev);
+    prev = st.stage;
+    st.advance<WgradCfg::kStages>();
+  }
+  wgmma_wait<0>();
+  fence_registers(acc);
+  if (prev >= 0) ring.release(prev);
+}
+
+}  // namespace gemm
+}  // namespace mok

@@ -1,0 +1,75 @@
+// The shared-memory stage ring between the TMA producer and the wgmma consumers.
+//
+// Stage s has a `full` mbarrier (one arrival by the producer plus the TMA transaction bytes)
+// and an `empty` mbarrier (one arrival from every consumer warp once its wgmmas that read the
+// stage have completed). Producer and consumers walk the same sequence of (tile, k-block)
+// steps, so each side tracks the ring position and the phase parity on its own.
+#pragma once
+
+#include <cstdint>
+
+#include "mok/gemm/config.cuh"
+#include "mok/gemm/ptx.cuh"
+
+namespace mok {
+namespace gemm {
+
+struct PipeState {
+  int stage = 0;
+  uint32_t phase = 0;
+  template <int kStages>
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Carves the dynamic shared memory of a kernel: stages (1024-byte aligned), barriers, and two
+// int32 tables of kMaxExperts + 1 entries for the tile schedulers.
+template <int kStages, int kStageBytes, int kABytes>
+struct SmemRing {
+  uint8_t* base;
+  uint64_t* full;
+  uint64_t* empty;
+  int32_t* table0;
+  int32_t* table1;
+
+  __device__ __forceinline__ explicit SmemRing(uint8_t* raw) {
+    const uint32_t a = smem_addr(raw);
+    base = raw + ((kSmemAlign - (a % kSmemAlign)) % kSmemAlign);
+    full = reinterpret_cast<uint64_t*>(base + kStages * kStageBytes);
+    empty = full + kStages;
+    table0 = reinterpret_cast<int32_t*>(full + 2 * kMaxStages);
+    table1 = table0 + kMaxExperts + 1;
+  }
+  __device__ __forceinline__ uint8_t* a(int s) const { return base + s * kStageBytes; }
+  __device__ __forceinline__ uint8_t* b(int s) const { return base + s * kStageBytes + kABytes; }
+
+  // One thread initialises; the caller synchronises the CTA afterwards.
+  __device__ __forceinline__ void init_barriers() const {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kConsumerWarps);
+    }
+    mbar_fence_init();
+  }
+
+  // Producer side: wait until the consumers released the stage, then announce its bytes.
+  __device__ __forceinline__ uint64_t* acquire(const PipeState& st, uint32_t bytes) const {
+    mbar_wait(&empty[st.stage], st.phase ^ 1u);
+    mbar_arrive_expect_tx(&full[st.stage], bytes);
+    return &full[st.stage];
+  }
+  // Consumer side.
+  __device__ __forceinline__ void wait_full(const PipeState& st) const {
+    mbar_wait(&full[st.stage], st.phase);
+  }
+  __device__ __forceinline__ void release(int stage) const {
+    if (threadIdx.x % 32 == 0) mbar_arrive(&empty[stage]);
+  }
+};
+
+}  // namespace gemm
+}  // namespace mok

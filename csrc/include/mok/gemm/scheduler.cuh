@@ -1,0 +1,123 @@
+// Tile schedulers of the grouped GEMMs. Both are pure functions of a linear tile index, so the
+// producer and the consumers of a CTA (and any persistent kernel that embeds the tile loop)
+// derive the same tile from the same index without talking to each other.
+//
+// Row-grouped GEMMs (fc1, fc2, data gradients): the expert-grouped layout pads every expert's
+// segment to a multiple of the row block, so the R_pad rows cut into R_pad / BM row blocks
+// that each belong to exactly one expert, and every (row block, column block) tile costs the
+// same K loop. Routing skew therefore changes only how many tiles an expert has, never what a
+// tile costs: striding the persistent CTAs over the linear tile index leaves at most one tile
+// of difference between CTAs, whatever the routing. Within an expert, tiles run column block
+// by column block over groups of kGroupRows row blocks, so the CTAs that run at the same time
+// share the weight tile (and the activation rows stay in L2 across column blocks).
+//
+// Weight gradients: every expert has the same (M / BM) x (N / BN) output tiles, but a tile's
+// K loop is the expert's row count, so tile costs follow the routing. Experts are ordered by
+// row count, largest first (ties by index), and tiles are dealt round-robin in that order:
+// each round of gridDim tiles has nearly equal costs, and the imbalance summed over all rounds
+// is at most one tile of the largest expert (longest-processing-time-first list scheduling).
+#pragma once
+
+#include <cstdint>
+
+namespace mok {
+namespace gemm {
+
+constexpr int kGroupRows = 8;
+
+struct RowTile {
+  int expert;
+  int row0;       // first row of the tile in the grouped layout
+  int col_block;  // column block index
+  int row_end;    // first row of the expert's padding (rows >= row_end are padding)
+};
+
+// offs: the CTA's shared-memory copy of offsets[0..L]; counts: device counts[L] (or null: no
+// padding mask).
+struct RowScheduler {
+  const int32_t* offs;
+  const int32_t* counts;
+  int L, bm, num_cb, total;
+
+  __device__ __forceinline__ RowScheduler(const int32_t* offs_, const int32_t* counts_, int L_,
+                                          int bm_, int num_cb_, int64_t rows_cap)
+      : offs(offs_), counts(counts_), L(L_), bm(bm_), num_cb(num_cb_) {
+    int64_t r_pad = offs[L];
+    if (r_pad > rows_cap) r_pad = rows_cap;
+    if (r_pad < 0) r_pad = 0;
+    total = static_cast<int>(r_pad / bm) * num_cb;
+  }
+
+  __device__ __forceinline__ RowTile tile(int t) const {
+    // Largest expert l whose first tile index offs[l] / bm * num_cb is <= t.
+    int lo = 0, hi = L - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if ((offs[mid] / bm) * num_cb <= t) lo = mid; else hi = mid - 1;
+    }
+    const int l = lo;
+    const int rb0 = offs[l] / bm;
+    const int nrb = offs[l + 1] / bm - rb0;
+    const int local = t - rb0 * num_cb;
+    const int group = local / (kGroupRows * num_cb);
+    const int in_group = local - group * kGroupRows * num_cb;
+    const int rows_in_group = min(kGroupRows, nrb - group * kGroupRows);
+    const int cb = in_group / rows_in_group;
+    const int rb = group * kGroupRows + in_group % rows_in_group;
+    RowTile out;
+    out.expert = l;
+    out.row0 = (rb0 + rb) * bm;
+    out.col_block = cb;
+    out.row_end = counts != nullptr ? offs[l] + counts[l] : offs[l + 1];
+    return out;
+  }
+};
+
+struct WgradTile {
+  int expert;
+  int row0;      // first row of the expert's segment (K runs over rows row0 .. row0 + k_rows)
+  int k_rows;    // rows of the expert's segment (a multiple of 64)
+  int m0, n0;    // output tile origin
+};
+
+// order: shared int32[L], filled by build_order(); offs: shared copy of offsets[0..L].
+struct WgradScheduler {
+  const int32_t* offs;
+  const int32_t* order;
+  int L, num_mb, num_nb, total;
+
+  __device__ __forceinline__ WgradScheduler(const int32_t* offs_, const int32_t* order_, int L_,
+                                            int num_mb_, int num_nb_)
+      : offs(offs_), order(order_), L(L_), num_mb(num_mb_), num_nb(num_nb_),
+        total(L_ * num_mb_ * num_nb_) {}
+
+  // All threads of the CTA call this, then synchronise: order[rank] = expert, by rows desc.
+  __device__ static void build_order(const int32_t* offs, int32_t* order, int L) {
+    for (int l = threadIdx.x; l < L; l += blockDim.x) {
+      const int rows = offs[l + 1] - offs[l];
+      int rank = 0;
+      for (int m = 0; m < L; ++m) {
+        const int r = offs[m + 1] - offs[m];
+        rank += (r > rows) || (r == rows && m < l);
+      }
+      order[rank] = l;
+    }
+  }
+
+  __device__ __forceinline__ WgradTile tile(int t, int bm, int bn) const {
+    const int per_expert = num_mb * num_nb;
+    const int p = t / per_expert;
+    const int local = t - p * per_expert;
+    const int l = order[p];
+    WgradTile out;
+    out.expert = l;
+    out.row0 = offs[l];
+    out.k_rows = offs[l + 1] - offs[l];
+    out.m0 = (local % num_mb) * bm;
+    out.n0 = (local / num_mb) * bn;
+    return out;
+  }
+};
+
+}  // namespace gemm
+}  // namespace mok

@@ -1,0 +1,68 @@
+// Grouped GEMMs of the expert FFN on Hopper (sm_90a): wgmma fed by TMA through mbarrier stages,
+// persistent CTAs, per-expert row offsets read on the device (no host synchronisation).
+//
+// Layout (docs/contract.md): L local experts; expert l owns rows [offsets[l], offsets[l+1]) of
+// the expert-grouped activations, the first counts[l] real and the rest padding. Every offset
+// must be a multiple of `block_m` (64 or 128; the schedule's tile_rows, or a divisor of it),
+// and offsets[L] <= rows_cap. The host passes only rows_cap, the capacity the buffers are
+// allocated for; rows >= offsets[L] of every output are left untouched. All matrices are
+// row-major and contiguous; "bf16" pointers are __nv_bfloat16 and 16-byte aligned.
+// Shapes: x [R, H]; fc1_weight [L, 2I, H] (gate rows, then up rows); fc2_weight [L, H, I];
+// h [R, I]; gu [R, 2I] (fc1 pre-activation: gate columns, then up); y, dy, dx [R, H].
+//
+// Tiles: block_m x (wg_n * 2 * 64 / block_m) for the row-grouped GEMMs (wg_n = 256 by default;
+// 128 only with block_m 64 in the forward GEMMs), 128 x 256 for the weight gradients.
+// num_ctas: persistent CTAs to launch (0: one per SM; fewer leaves SMs to other work).
+// Every function returns MOK_OK, a cudaError_t (> 0) or a MOK_ERR_* code (< 0).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "mok/common.h"
+
+// h = silu(x G_e^T) * (x U_e^T) [* router_weight[row]], bf16; padding rows are written as 0.
+// router_weight: fp32 [R] or null. gu: bf16 [R, 2I] pre-activation output, or null.
+// Needs H % 64 == 0 and I % (wg_n * 64 / block_m) == 0.
+MOK_API int mok_gemm_fc1_swiglu(const void* x, const void* fc1_weight, const int32_t* offsets,
+                                const int32_t* counts, const float* router_weight, void* h,
+                                void* gu, int64_t rows_cap, int L, int H, int I, int block_m,
+                                int wg_n, int num_ctas, cudaStream_t stream);
+
+// y = h D_e^T, bf16. Needs I % 64 == 0 and H % (wg_n * 128 / block_m) == 0.
+MOK_API int mok_gemm_fc2(const void* h, const void* fc2_weight, const int32_t* offsets, void* y,
+                         int64_t rows_cap, int L, int H, int I, int block_m, int wg_n,
+                         int num_ctas, cudaStream_t stream);
+
+// fp32 elements of the scratch buffer mok_gemm_fc2_dgrad_swiglu needs (router-weight partials).
+MOK_API int64_t mok_gemm_fc2_dgrad_scratch_floats(int64_t rows_cap, int I);
+
+// Data gradient of fc2 fused with the SwiGLU backward:
+//   dh = dy D_e; dgu[:, :I] = w * dh * u * silu'(g); dgu[:, I:] = w * dh * silu(g)
+// with (g, u) = gu[row] and w = router_weight[row] (1 when null). When router_weight is given,
+// d_router_weight[row] = sum_i dh[row, i] * silu(g) * u (fp32 [R]) and scratch holds
+// mok_gemm_fc2_dgrad_scratch_floats() floats; both may be null otherwise. h (bf16 [R, I], or
+// null) receives the forward's w * silu(g) * u recomputed, the operand of fc2's weight
+// gradient. Padding rows of dgu, h and d_router_weight are written as 0.
+// Needs H % 64 == 0 and I % (256 * 128 / block_m) == 0.
+MOK_API int mok_gemm_fc2_dgrad_swiglu(const void* dy, const void* fc2_weight, const void* gu,
+                                      const int32_t* offsets, const int32_t* counts,
+                                      const float* router_weight, void* dgu, void* h,
+                                      float* d_router_weight, float* scratch, int64_t rows_cap,
+                                      int L, int H, int I, int block_m, int num_ctas,
+                                      cudaStream_t stream);
+
+// dx = dgu W1_e (W1_e = fc1_weight[e] as [2I, H]), bf16. Needs I % 32 == 0 and
+// H % (256 * 128 / block_m) == 0.
+MOK_API int mok_gemm_fc1_dgrad(const void* dgu, const void* fc1_weight, const int32_t* offsets,
+                               void* dx, int64_t rows_cap, int L, int H, int I, int block_m,
+                               int num_ctas, cudaStream_t stream);
+
+// Weight gradient per expert: out[e] = a_e^T b_e over the expert's rows [offsets[e],
+// offsets[e+1]) (offsets multiples of 64): a bf16 [R, M], b bf16 [R, N], out [L, M, N] fp32
+// (accumulate: out += ..., e.g. into Megatron's main_grad) or bf16 (out_bf16 = 1, no
+// accumulate). fc1: a = dgu, b = x (M = 2I, N = H); fc2: a = dy, b = h (M = H, N = I).
+// Experts without rows get zeros (or are left as they are when accumulating).
+// Needs M % 128 == 0 and N % 256 == 0.
+MOK_API int mok_gemm_weight_grad(const void* a, const void* b, const int32_t* offsets, void* out,
+                                 int out_bf16, int accumulate, int64_t rows_cap, int L, int M,
+                                 int N, int num_ctas, cudaStream_t stream);

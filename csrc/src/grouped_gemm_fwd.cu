@@ -1,0 +1,97 @@
+// Forward grouped GEMMs of the expert FFN: fc1 with the SwiGLU epilogue fused, and fc2.
+#include <cuda_runtime.h>
+
+#include "mok/cuda_check.cuh"
+#include "mok/gemm/host.cuh"
+#include "mok/grouped_gemm.h"
+
+using namespace mok::gemm;
+
+namespace {
+
+template <int BM, int WGN>
+int fc1_swiglu(const void* x, const void* w1, const int32_t* offsets, const int32_t* counts,
+               const float* scale, void* h, void* gu, int64_t rows_cap, int L, int H, int I,
+               int num_ctas, cudaStream_t stream) {
+  using Cfg = RowCfg<BM, WGN, BLayout::kSwiGLU>;
+  MOK_REQUIRE(H % kBK == 0 && I % (Cfg::BN / 2) == 0);
+  if (rows_cap < BM) return MOK_OK;  // no full row block: the layout is empty
+  RowKernelParams<SwiGLUForwardEpilogue> p{};
+  int rc = encode_map_2d(&p.op.map_a, x, H, rows_cap, kBK, BM);
+  if (rc != MOK_OK) return rc;
+  rc = encode_map_2d(&p.op.map_b, w1, H, (uint64_t)L * 2 * I, kBK, WGN / 2);
+  if (rc != MOK_OK) return rc;
+  p.op.K = H;
+  p.op.N = 2 * I;
+  p.epi = {static_cast<__nv_bfloat16*>(h), static_cast<__nv_bfloat16*>(gu), scale, I, rows_cap};
+  p.offsets = offsets;
+  p.counts = counts;
+  p.L = L;
+  p.num_cb = I / (Cfg::BN / 2);
+  p.rows_cap = rows_cap;
+  return launch_row_gemm<Cfg>(p, num_ctas, stream);
+}
+
+template <int BM, int WGN>
+int fc2(const void* h, const void* w2, const int32_t* offsets, void* y, int64_t rows_cap, int L,
+        int H, int I, int num_ctas, cudaStream_t stream) {
+  using Cfg = RowCfg<BM, WGN, BLayout::kKMajor>;
+  MOK_REQUIRE(I % kBK == 0 && H % Cfg::BN == 0);
+  if (rows_cap < BM) return MOK_OK;  // no full row block: the layout is empty
+  RowKernelParams<StoreEpilogue> p{};
+  int rc = encode_map_2d(&p.op.map_a, h, I, rows_cap, kBK, BM);
+  if (rc != MOK_OK) return rc;
+  rc = encode_map_2d(&p.op.map_b, w2, I, (uint64_t)L * H, kBK, WGN);
+  if (rc != MOK_OK) return rc;
+  p.op.K = I;
+  p.op.N = H;
+  p.epi = {static_cast<__nv_bfloat16*>(y), H, rows_cap};
+  p.offsets = offsets;
+  p.counts = nullptr;
+  p.L = L;
+  p.num_cb = H / Cfg::BN;
+  p.rows_cap = rows_cap;
+  return launch_row_gemm<Cfg>(p, num_ctas, stream);
+}
+
+bool common_ok(int64_t rows_cap, int L, int H, int I) {
+  return rows_cap >= 0 && rows_cap < (int64_t)INT32_MAX && L >= 1 && L <= kMaxExperts && H > 0 &&
+         I > 0;
+}
+
+}  // namespace
+
+MOK_API int mok_gemm_fc1_swiglu(const void* x, const void* fc1_weight, const int32_t* offsets,
+                                const int32_t* counts, const float* router_weight, void* h,
+                                void* gu, int64_t rows_cap, int L, int H, int I, int block_m,
+                                int wg_n, int num_ctas, cudaStream_t stream) {
+  MOK_REQUIRE(x && fc1_weight && offsets && counts && h && common_ok(rows_cap, L, H, I));
+  MOK_REQUIRE(aligned16(h) && (gu == nullptr || aligned16(gu)));
+  if (rows_cap == 0) return MOK_OK;
+  if (wg_n == 0) wg_n = 256;
+  if (block_m == 128 && wg_n == 256)
+    return fc1_swiglu<128, 256>(x, fc1_weight, offsets, counts, router_weight, h, gu, rows_cap,
+                                L, H, I, num_ctas, stream);
+  if (block_m == 64 && wg_n == 256)
+    return fc1_swiglu<64, 256>(x, fc1_weight, offsets, counts, router_weight, h, gu, rows_cap, L,
+                               H, I, num_ctas, stream);
+  if (block_m == 64 && wg_n == 128)
+    return fc1_swiglu<64, 128>(x, fc1_weight, offsets, counts, router_weight, h, gu, rows_cap, L,
+                               H, I, num_ctas, stream);
+  return MOK_ERR_UNSUPPORTED;
+}
+
+MOK_API int mok_gemm_fc2(const void* h, const void* fc2_weight, const int32_t* offsets, void* y,
+                         int64_t rows_cap, int L, int H, int I, int block_m, int wg_n,
+                         int num_ctas, cudaStream_t stream) {
+  MOK_REQUIRE(h && fc2_weight && offsets && y && common_ok(rows_cap, L, H, I) && aligned16(y));
+  if (rows_cap == 0) return MOK_OK;
+  if (wg_n == 0) wg_n = 256;
+  if (block_m == 128 && wg_n == 256)
+    return fc2<128, 256>(h, fc2_weight, offsets, y, rows_cap, L, H, I, num_ctas, stream);
+  if (block_m == 64 && wg_n == 256)
+    return fc2<64, 256>(h, fc2_weight, offsets, y, rows_cap, L, H, I, num_ctas, stream);
+  if (block_m == 64 && wg_n == 128)
+    return fc2<64, 128>(h, fc2_weight, offsets, y, rows_cap, L, H, I, num_ctas, stream);
+  return MOK_ERR_UNSUPPORTED;
+}

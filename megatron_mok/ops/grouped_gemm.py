@@ -1,0 +1,481 @@
+"""The Hopper grouped GEMMs of the expert FFN (csrc/src/grouped_gemm_*.cu) as custom ops.
+
+All of them compute on the expert-grouped, tile-padded layout of the schedule table
+(docs/contract.md): expert ``l`` owns rows ``[offsets[l], offsets[l+1])``, the first
+``counts[l]`` real, the rest padding. ``offsets`` stays on the device (no host sync); the host
+only knows ``R``, the row capacity the activations are allocated for. Rows ``>= offsets[L]`` of
+every output are left unwritten (whatever the allocator gave).
+
+Shapes (Megatron's layout): x, y, dy, dx bf16 [R, H]; fc1_weight bf16 [L, 2I, H] (gate rows,
+then up rows); fc2_weight bf16 [L, H, I]; h bf16 [R, I]; gu bf16 [R, 2I] (the fc1
+pre-activation, gate columns then up); router_weight fp32 [R].
+
+Each kernel has a custom op (``mok::gemm_*``, with a fake implementation for torch.compile), a
+plain wrapper that validates its arguments first (:class:`GemmArgumentError` names the value and
+the rule), and a ``launch_*`` function that writes into given output tensors (for tests and
+benchmarks that poison or reuse outputs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional, Tuple
+
+import torch
+
+from ._ptr import ptr, stream_of
+from .library import load_library
+
+_i, _i64, _v = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+
+MAX_EXPERTS = 1024
+"""Local experts one launch takes (per-CTA tables in shared memory)."""
+
+
+class GemmArgumentError(ValueError):
+    """An argument of a grouped GEMM is outside what the kernels take; the message says which."""
+
+
+def _lib():
+    lib = load_library()
+    return lib, {
+        "fc1": lib.function("mok_gemm_fc1_swiglu", _i,
+                            [_v, _v, _v, _v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _v]),
+        "fc2": lib.function("mok_gemm_fc2", _i, [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _v]),
+        "scratch": lib.function("mok_gemm_fc2_dgrad_scratch_floats", _i64, [_i64, _i]),
+        "fc2_dgrad": lib.function("mok_gemm_fc2_dgrad_swiglu", _i,
+                                  [_v, _v, _v, _v, _v, _v, _v, _v, _v, _v, _i64, _i, _i, _i, _i, _i,
+                                   _v]),
+        "fc1_dgrad": lib.function("mok_gemm_fc1_dgrad", _i,
+                                  [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _v]),
+        "wgrad": lib.function("mok_gemm_weight_grad", _i,
+                              [_v, _v, _v, _v, _i, _i, _i64, _i, _i, _i, _i, _v]),
+    }
+
+
+# ---- argument checks -------------------------------------------------------------------------
+
+def _fail(msg: str):
+    raise GemmArgumentError(msg)
+
+
+def _check_matrix(name: str, t: torch.Tensor, dtype: torch.dtype, ndim: int, device, align: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        _fail(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != ndim:
+        _fail(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        _fail(f"{name} is on {t.device}, the other operands on {device}")
+    if not t.is_contiguous():
+        _fail(f"{name} must be contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
+    if align and t.device.type == "cuda" and not torch.compiler.is_compiling() and t.data_ptr() % 16:
+        _fail(f"{name} must start 16-byte aligned (address {t.data_ptr():#x})")
+
+
+def _check_layout(offsets: torch.Tensor, counts: Optional[torch.Tensor], L: int, device) -> None:
+    _check_matrix("offsets", offsets, torch.int32, 1, device, align=False)
+    if offsets.numel() != L + 1:
+        _fail(f"offsets must have L + 1 = {L + 1} entries, got {offsets.numel()}")
+    if counts is not None:
+        _check_matrix("counts", counts, torch.int32, 1, device, align=False)
+        if counts.numel() != L:
+            _fail(f"counts must have L = {L} entries, got {counts.numel()}")
+    if not 1 <= L <= MAX_EXPERTS:
+        _fail(f"L = {L} local experts is outside [1, {MAX_EXPERTS}]")
+
+
+def _block_m(tile_rows: int, block_m: Optional[int]) -> int:
+    if tile_rows not in (64, 128):
+        _fail(f"tile_rows = {tile_rows}: the grouped GEMMs take layouts padded to 64 or 128 rows")
+    bm = tile_rows if block_m is None else block_m
+    if bm not in (64, 128) or tile_rows % bm:
+        _fail(f"block_m = {bm} must be 64 or 128 and divide tile_rows = {tile_rows}")
+    return bm
+
+
+def _check_multiple(what: str, value: int, mult: int, why: str) -> None:
+    if value % mult:
+        _fail(f"{what} = {value} must be a multiple of {mult} ({why})")
+
+
+def _router_weight(rw: Optional[torch.Tensor], R: int, device) -> None:
+    if rw is not None:
+        _check_matrix("router_weight", rw, torch.float32, 1, device, align=False)
+        if rw.numel() != R:
+            _fail(f"router_weight must have one entry per row (R = {R}), got {rw.numel()}")
+
+
+def check_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, tile_rows, block_m=None,
+                     wg_n=256) -> int:
+    """Validate :func:`fc1_swiglu`'s arguments; returns the block_m to launch with."""
+    _check_matrix("x", x, torch.bfloat16, 2, None)
+    _check_matrix("fc1_weight", fc1_weight, torch.bfloat16, 3, x.device)
+    R, H = x.shape
+    L, two_i, H1 = fc1_weight.shape
+    if H1 != H or two_i % 2:
+        _fail(f"fc1_weight must be [L, 2I, H={H}], got {tuple(fc1_weight.shape)}")
+    _check_layout(offsets, counts, L, x.device)
+    _router_weight(router_weight, R, x.device)
+    bm = _block_m(tile_rows, block_m)
+    if wg_n not in (128, 256) or (wg_n == 128 and bm != 64):
+        _fail(f"wg_n = {wg_n}: 256, or 128 with block_m 64")
+    _check_multiple("H", H, 64, "the K step of the kernels")
+    _check_multiple("I", two_i // 2, wg_n * 64 // bm, f"h columns of a {bm}-row tile")
+    return bm
+
+
+def check_fc2(h, fc2_weight, offsets, tile_rows, block_m=None, wg_n=256) -> int:
+    """Validate :func:`fc2`'s arguments; returns the block_m to launch with."""
+    _check_matrix("h", h, torch.bfloat16, 2, None)
+    _check_matrix("fc2_weight", fc2_weight, torch.bfloat16, 3, h.device)
+    R, I = h.shape
+    L, H, I1 = fc2_weight.shape
+    if I1 != I:
+        _fail(f"fc2_weight must be [L, H, I={I}], got {tuple(fc2_weight.shape)}")
+    _check_layout(offsets, None, L, h.device)
+    bm = _block_m(tile_rows, block_m)
+    if wg_n not in (128, 256) or (wg_n == 128 and bm != 64):
+        _fail(f"wg_n = {wg_n}: 256, or 128 with block_m 64")
+    _check_multiple("I", I, 64, "the K step of the kernels")
+    _check_multiple("H", H, wg_n * 128 // bm, f"columns of a {bm}-row tile")
+    return bm
+
+
+def check_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, tile_rows,
+                           block_m=None) -> int:
+    """Validate :func:`fc2_dgrad_swiglu`'s arguments; returns the block_m to launch with."""
+    _check_matrix("dy", dy, torch.bfloat16, 2, None)
+    _check_matrix("fc2_weight", fc2_weight, torch.bfloat16, 3, dy.device)
+    _check_matrix("gu", gu, torch.bfloat16, 2, dy.device)
+    R, H = dy.shape
+    L, H1, I = fc2_weight.shape
+    if H1 != H:
+        _fail(f"fc2_weight must be [L, H={H}, I], got {tuple(fc2_weight.shape)}")
+    if tuple(gu.shape) != (R, 2 * I):
+        _fail(f"gu must be [R={R}, 2I={2 * I}], got {tuple(gu.shape)}")
+    _check_layout(offsets, counts, L, dy.device)
+    _router_weight(router_weight, R, dy.device)
+    bm = _block_m(tile_rows, block_m)
+    _check_multiple("H", H, 64, "the K step of the kernels")
+    _check_multiple("I", I, 256 * 128 // bm, f"columns of a {bm}-row tile")
+    return bm
+
+
+def check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m=None) -> int:
+    """Validate :func:`fc1_dgrad`'s arguments; returns the block_m to launch with."""
+    _check_matrix("dgu", dgu, torch.bfloat16, 2, None)
+    _check_matrix("fc1_weight", fc1_weight, torch.bfloat16, 3, dgu.device)
+    R, two_i = dgu.shape
+    L, two_i1, H = fc1_weight.shape
+    if two_i1 != two_i:
+        _fail(f"fc1_weight must be [L, 2I={two_i}, H], got {tuple(fc1_weight.shape)}")
+    _check_layout(offsets, None, L, dgu.device)
+    bm = _block_m(tile_rows, block_m)
+    _check_multiple("2I", two_i, 64, "the K step of the kernels")
+    _check_multiple("H", H, 256 * 128 // bm, f"columns of a {bm}-row tile")
+    return bm
+
+
+def check_weight_grad(a, b, offsets, out=None) -> None:
+    """Validate :func:`weight_grad`'s arguments."""
+    _check_matrix("a", a, torch.bfloat16, 2, None)
+    _check_matrix("b", b, torch.bfloat16, 2, a.device)
+    if a.shape[0] != b.shape[0]:
+        _fail(f"a and b must have the same rows, got {tuple(a.shape)} and {tuple(b.shape)}")
+    L = offsets.numel() - 1
+    _check_layout(offsets, None, L, a.device)
+    M, N = a.shape[1], b.shape[1]
+    _check_multiple("M (columns of a)", M, 128, "the weight-gradient tile height")
+    _check_multiple("N (columns of b)", N, 256, "the weight-gradient tile width")
+    if out is not None:
+        if out.dtype not in (torch.float32, torch.bfloat16):
+            _fail(f"the weight-gradient output must be fp32 or bf16, got {out.dtype}")
+        _check_matrix("out", out, out.dtype, 3, a.device)
+        if tuple(out.shape) != (L, M, N):
+            _fail(f"the weight-gradient output must be [L={L}, M={M}, N={N}], got {tuple(out.shape)}")
+
+
+# ---- launchers (write into given outputs) ----------------------------------------------------
+
+def launch_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, h, gu, *, block_m: int,
+                      wg_n: int = 256, num_ctas: int = 0) -> None:
+    """Run fc1 + SwiGLU into ``h`` (bf16 [R, I]) and, if not None, ``gu`` (bf16 [R, 2I])."""
+    lib, fns = _lib()
+    R, H = x.shape
+    L, two_i, _ = fc1_weight.shape
+    code = fns["fc1"](ptr(x), ptr(fc1_weight), ptr(offsets), ptr(counts), ptr(router_weight), ptr(h),
+                      ptr(gu), R, L, H, two_i // 2, block_m, wg_n, num_ctas, stream_of(x))
+    lib.check(code, "mok_gemm_fc1_swiglu")
+
+
+def launch_fc2(h, fc2_weight, offsets, y, *, block_m: int, wg_n: int = 256, num_ctas: int = 0) -> None:
+    """Run fc2 into ``y`` (bf16 [R, H])."""
+    lib, fns = _lib()
+    R, I = h.shape
+    L, H, _ = fc2_weight.shape
+    code = fns["fc2"](ptr(h), ptr(fc2_weight), ptr(offsets), ptr(y), R, L, H, I, block_m, wg_n, num_ctas,
+                      stream_of(h))
+    lib.check(code, "mok_gemm_fc2")
+
+
+def dgrad_scratch_floats(rows: int, inter: int) -> int:
+    """fp32 elements of the scratch :func:`launch_fc2_dgrad_swiglu` needs with a router weight."""
+    _, fns = _lib()
+    return int(fns["scratch"](rows, inter))
+
+
+def launch_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, dgu, h_out,
+                            d_router_weight, scratch, *, block_m: int, num_ctas: int = 0) -> None:
+    """Run the fc2 data gradient + SwiGLU backward into ``dgu`` (bf16 [R, 2I]), ``h_out`` (bf16
+    [R, I] or None) and ``d_router_weight`` (fp32 [R], with ``scratch`` fp32
+    [dgrad_scratch_floats(R, I)], both None without a router weight)."""
+    lib, fns = _lib()
+    R, H = dy.shape
+    L, _, I = fc2_weight.shape
+    code = fns["fc2_dgrad"](ptr(dy), ptr(fc2_weight), ptr(gu), ptr(offsets), ptr(counts), ptr(router_weight),
+                            ptr(dgu), ptr(h_out), ptr(d_router_weight), ptr(scratch), R, L, H, I, block_m,
+                            num_ctas, stream_of(dy))
+    lib.check(code, "mok_gemm_fc2_dgrad_swiglu")
+
+
+def launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, *, block_m: int, num_ctas: int = 0) -> None:
+    """Run the fc1 data gradient into ``dx`` (bf16 [R, H])."""
+    lib, fns = _lib()
+    R, two_i = dgu.shape
+    L, _, H = fc1_weight.shape
+    code = fns["fc1_dgrad"](ptr(dgu), ptr(fc1_weight), ptr(offsets), ptr(dx), R, L, H, two_i // 2, block_m,
+                            num_ctas, stream_of(dgu))
+    lib.check(code, "mok_gemm_fc1_dgrad")
+
+
+def launch_weight_grad(a, b, offsets, out, *, accumulate: bool = False, num_ctas: int = 0) -> None:
+    """out[e] (+)= a_e^T b_e over expert e's rows; ``out`` fp32 or bf16 [L, M, N]."""
+    lib, fns = _lib()
+    R, M = a.shape
+    N = b.shape[1]
+    L = offsets.numel() - 1
+    out_bf16 = out.dtype == torch.bfloat16
+    if out_bf16 and accumulate:
+        _fail("accumulating weight gradients needs an fp32 output (main_grad)")
+    code = fns["wgrad"](ptr(a), ptr(b), ptr(offsets), ptr(out), int(out_bf16), int(accumulate), R, L, M, N,
+                        num_ctas, stream_of(a))
+    lib.check(code, "mok_gemm_weight_grad")
+
+
+# ---- custom ops ------------------------------------------------------------------------------
+
+@torch.library.custom_op("mok::gemm_fc1_swiglu", mutates_args=())
+def gemm_fc1_swiglu_op(x: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor,
+                       counts: torch.Tensor, router_weight: Optional[torch.Tensor], block_m: int,
+                       wg_n: int, save_preact: bool, num_ctas: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """h = silu(x G^T) * (x U^T) [* router_weight] per expert; see :func:`fc1_swiglu`.
+
+    Returns h bf16 [R, I] and gu bf16 [R, 2I] (the pre-activation; [0, 2I] unless save_preact).
+    """
+    R = x.shape[0]
+    two_i = fc1_weight.shape[1]
+    h = x.new_empty((R, two_i // 2))
+    gu = x.new_empty((R if save_preact else 0, two_i))
+    launch_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, h, gu if save_preact else None,
+                      block_m=block_m, wg_n=wg_n, num_ctas=num_ctas)
+    return h, gu
+
+
+@gemm_fc1_swiglu_op.register_fake
+def _(x, fc1_weight, offsets, counts, router_weight, block_m, wg_n, save_preact, num_ctas):
+    R, two_i = x.shape[0], fc1_weight.shape[1]
+    return x.new_empty((R, two_i // 2)), x.new_empty((R if save_preact else 0, two_i))
+
+
+@torch.library.custom_op("mok::gemm_fc2", mutates_args=())
+def gemm_fc2_op(h: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, block_m: int, wg_n: int,
+                num_ctas: int) -> torch.Tensor:
+    """y = h D^T per expert (bf16 [R, H]); see :func:`fc2`."""
+    y = h.new_empty((h.shape[0], fc2_weight.shape[1]))
+    launch_fc2(h, fc2_weight, offsets, y, block_m=block_m, wg_n=wg_n, num_ctas=num_ctas)
+    return y
+
+
+@gemm_fc2_op.register_fake
+def _(h, fc2_weight, offsets, block_m, wg_n, num_ctas):
+    return h.new_empty((h.shape[0], fc2_weight.shape[1]))
+
+
+@torch.library.custom_op("mok::gemm_fc2_dgrad_swiglu", mutates_args=())
+def gemm_fc2_dgrad_swiglu_op(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tensor, offsets: torch.Tensor,
+                             counts: torch.Tensor, router_weight: Optional[torch.Tensor], block_m: int,
+                             want_h: bool, num_ctas: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fc2 data gradient fused with the SwiGLU backward; see :func:`fc2_dgrad_swiglu`.
+
+    Returns dgu bf16 [R, 2I]; d_router_weight fp32 [R] ([0] without router_weight); h bf16
+    [R, I] recomputed ([0, I] unless want_h).
+    """
+    R = dy.shape[0]
+    I = fc2_weight.shape[2]
+    dgu = dy.new_empty((R, 2 * I))
+    h = dy.new_empty((R if want_h else 0, I))
+    weighted = router_weight is not None
+    dw = dy.new_empty((R if weighted else 0,), dtype=torch.float32)
+    scratch = dy.new_empty((dgrad_scratch_floats(R, I) if weighted else 0,), dtype=torch.float32)
+    launch_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, dgu, h if want_h else None,
+                            dw if weighted else None, scratch if weighted else None, block_m=block_m,
+                            num_ctas=num_ctas)
+    return dgu, dw, h
+
+
+@gemm_fc2_dgrad_swiglu_op.register_fake
+def _(dy, fc2_weight, gu, offsets, counts, router_weight, block_m, want_h, num_ctas):
+    R, I = dy.shape[0], fc2_weight.shape[2]
+    return (dy.new_empty((R, 2 * I)), dy.new_empty((R if router_weight is not None else 0,), dtype=torch.float32),
+            dy.new_empty((R if want_h else 0, I)))
+
+
+@torch.library.custom_op("mok::gemm_fc1_dgrad", mutates_args=())
+def gemm_fc1_dgrad_op(dgu: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, block_m: int,
+                      num_ctas: int) -> torch.Tensor:
+    """dx = dgu W1 per expert (bf16 [R, H]); see :func:`fc1_dgrad`."""
+    dx = dgu.new_empty((dgu.shape[0], fc1_weight.shape[2]))
+    launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, block_m=block_m, num_ctas=num_ctas)
+    return dx
+
+
+@gemm_fc1_dgrad_op.register_fake
+def _(dgu, fc1_weight, offsets, block_m, num_ctas):
+    return dgu.new_empty((dgu.shape[0], fc1_weight.shape[2]))
+
+
+@torch.library.custom_op("mok::gemm_weight_grad", mutates_args=())
+def gemm_weight_grad_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
+                        num_ctas: int) -> torch.Tensor:
+    """out[e] = a_e^T b_e per expert ([L, M, N] in ``out_dtype``, fp32 or bf16)."""
+    out = a.new_empty((offsets.shape[0] - 1, a.shape[1], b.shape[1]), dtype=out_dtype)
+    launch_weight_grad(a, b, offsets, out, accumulate=False, num_ctas=num_ctas)
+    return out
+
+
+@gemm_weight_grad_op.register_fake
+def _(a, b, offsets, out_dtype, num_ctas):
+    return a.new_empty((offsets.shape[0] - 1, a.shape[1], b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("mok::gemm_weight_grad_accumulate", mutates_args=("main_grad",))
+def gemm_weight_grad_accumulate_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                                   main_grad: torch.Tensor, num_ctas: int) -> None:
+    """main_grad[e] += a_e^T b_e per expert (fp32 [L, M, N], e.g. Megatron's main_grad)."""
+    launch_weight_grad(a, b, offsets, main_grad, accumulate=True, num_ctas=num_ctas)
+
+
+@gemm_weight_grad_accumulate_op.register_fake
+def _(a, b, offsets, main_grad, num_ctas) -> None:
+    return None
+
+
+# ---- plain wrappers --------------------------------------------------------------------------
+
+def fc1_swiglu(x: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
+               router_weight: Optional[torch.Tensor] = None, *, tile_rows: int = 128, save_preact: bool = False,
+               block_m: Optional[int] = None, wg_n: int = 256,
+               num_ctas: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """fc1 of every local expert with the SwiGLU epilogue fused.
+
+    h[r] = silu(x[r] G_e^T) * (x[r] U_e^T) [* router_weight[r]] for the rows r of expert e;
+    padding rows of h (and gu) are 0.
+
+    Args:
+        x: bf16 [R, H], expert-grouped rows. fc1_weight: bf16 [L, 2I, H] (gate rows, then up).
+        offsets: int32 [L + 1] on the device, multiples of ``tile_rows``. counts: int32 [L].
+        router_weight: fp32 [R] or None (apply the router weight here instead of in combine).
+        tile_rows: the padding of the layout (64 or 128). save_preact: also return gu.
+        block_m: row-block height (default ``tile_rows``; 64 also works on a 128 layout).
+        wg_n: B columns per warpgroup (256; 128 with block_m 64). num_ctas: 0 = one per SM.
+
+    Returns:
+        (h bf16 [R, I], gu bf16 [R, 2I] = [x G^T | x U^T] or None).
+    """
+    bm = check_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, tile_rows, block_m, wg_n)
+    h, gu = gemm_fc1_swiglu_op(x, fc1_weight, offsets, counts, router_weight, bm, wg_n, save_preact, num_ctas)
+    return h, (gu if save_preact else None)
+
+
+def fc2(h: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, *, tile_rows: int = 128,
+        block_m: Optional[int] = None, wg_n: int = 256, num_ctas: int = 0) -> torch.Tensor:
+    """fc2 of every local expert: y[r] = h[r] D_e^T.
+
+    Args:
+        h: bf16 [R, I]. fc2_weight: bf16 [L, H, I]. offsets: int32 [L + 1] on the device.
+        tile_rows, block_m, wg_n, num_ctas: as in :func:`fc1_swiglu`.
+
+    Returns:
+        y bf16 [R, H] (padding rows hold h's padding rows times D_e: zeros for fc1's h).
+    """
+    bm = check_fc2(h, fc2_weight, offsets, tile_rows, block_m, wg_n)
+    return gemm_fc2_op(h, fc2_weight, offsets, bm, wg_n, num_ctas)
+
+
+def fc2_dgrad_swiglu(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tensor, offsets: torch.Tensor,
+                     counts: torch.Tensor, router_weight: Optional[torch.Tensor] = None, *, tile_rows: int = 128,
+                     want_h: bool = False, block_m: Optional[int] = None,
+                     num_ctas: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Data gradient of fc2 fused with the SwiGLU backward.
+
+    With dh = dy D_e, (g, u) = gu[r] and w = router_weight[r] (1 when None):
+    dgu[r] = [w dh u silu'(g) | w dh silu(g)]; d_router_weight[r] = sum_i dh silu(g) u.
+
+    Args:
+        dy: bf16 [R, H], gradient of fc2's output rows. fc2_weight: bf16 [L, H, I].
+        gu: bf16 [R, 2I], fc1's pre-activation (``fc1_swiglu(..., save_preact=True)``).
+        offsets, counts, router_weight, tile_rows, block_m, num_ctas: as in :func:`fc1_swiglu`.
+        want_h: also return h = w silu(g) u recomputed (the operand of fc2's weight gradient).
+
+    Returns:
+        (dgu bf16 [R, 2I], d_router_weight fp32 [R] or None, h bf16 [R, I] or None); padding
+        rows are 0.
+    """
+    bm = check_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, tile_rows, block_m)
+    dgu, dw, h = gemm_fc2_dgrad_swiglu_op(dy, fc2_weight, gu, offsets, counts, router_weight, bm, want_h,
+                                          num_ctas)
+    return dgu, (dw if router_weight is not None else None), (h if want_h else None)
+
+
+def fc1_dgrad(dgu: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, *, tile_rows: int = 128,
+              block_m: Optional[int] = None, num_ctas: int = 0) -> torch.Tensor:
+    """Data gradient of fc1: dx[r] = dgu[r] W1_e with W1_e = fc1_weight[e] as [2I, H].
+
+    Args:
+        dgu: bf16 [R, 2I]. fc1_weight: bf16 [L, 2I, H]. offsets, tile_rows, block_m, num_ctas:
+        as in :func:`fc1_swiglu`.
+
+    Returns:
+        dx bf16 [R, H].
+    """
+    bm = check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m)
+    return gemm_fc1_dgrad_op(dgu, fc1_weight, offsets, bm, num_ctas)
+
+
+def weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
+                main_grad: Optional[torch.Tensor] = None, num_ctas: int = 0) -> torch.Tensor:
+    """Weight gradient of every local expert: out[e] = a[rows of e]^T b[rows of e].
+
+    fc1: ``weight_grad(dgu, x, offsets)`` -> [L, 2I, H]; fc2: ``weight_grad(dy, h, offsets)``
+    -> [L, H, I]. Deterministic (no atomics, fixed order).
+
+    Args:
+        a: bf16 [R, M]. b: bf16 [R, N]. offsets: int32 [L + 1] on the device, multiples of 64.
+        out_dtype: fp32 or bf16 for a new output. main_grad: fp32 [L, M, N] to accumulate into
+        (Megatron's ``main_grad``); it is returned. num_ctas: 0 = one per SM.
+
+    Returns:
+        [L, M, N]: ``main_grad`` (accumulated) or a new tensor in ``out_dtype``.
+    """
+    if main_grad is not None:
+        if main_grad.dtype != torch.float32:
+            _fail(f"main_grad must be fp32 to accumulate into, got {main_grad.dtype}")
+        check_weight_grad(a, b, offsets, main_grad)
+        gemm_weight_grad_accumulate_op(a, b, offsets, main_grad, num_ctas)
+        return main_grad
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        _fail(f"out_dtype must be fp32 or bf16, got {out_dtype}")
+    check_weight_grad(a, b, offsets)
+    return gemm_weight_grad_op(a, b, offsets, out_dtype, num_ctas)

@@ -1,0 +1,450 @@
+"""The Hopper grouped GEMMs (csrc/src/grouped_gemm_*.cu, megatron_mok/ops/grouped_gemm.py).
+
+CPU: the library compiles with the kernels' C entry points, the C ABI rejects bad arguments
+before touching the GPU, the Python checks name the bad value, and the fake implementations
+give the right shapes. GPU: every kernel against a float64 reference on fresh random inputs,
+outputs poisoned with NaN first and checked written on every row of the layout and untouched
+beyond it, on layouts with empty experts, one expert with thousands of rows and counts that
+are not multiples of the tile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+import torch
+
+from megatron_mok import _build
+from megatron_mok.ops import grouped_gemm as gg
+from megatron_mok.ops import library
+
+MOK_ERR_INVALID_ARGUMENT = -1
+MOK_ERR_UNSUPPORTED = -2
+
+
+# ---- CPU -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def built_library(tmp_path_factory):
+    if _build.find_nvcc() is None:
+        pytest.skip("nvcc not found: the CUDA library cannot be compiled on this machine")
+    return _build.build_library(tmp_path_factory.mktemp("moklib-gemm"))
+
+
+def _c(lib, name, restype, nargs):
+    return lib.function(name, restype, [ctypes.c_void_p] * nargs)
+
+
+def test_library_exports_the_gemm_entry_points(built_library):
+    lib = library.MokLibrary(built_library)
+    for name in ("mok_gemm_fc1_swiglu", "mok_gemm_fc2", "mok_gemm_fc2_dgrad_swiglu", "mok_gemm_fc1_dgrad",
+                 "mok_gemm_weight_grad", "mok_gemm_fc2_dgrad_scratch_floats"):
+        assert hasattr(lib._dll, name), name
+    fn = lib.function("mok_gemm_fc2_dgrad_scratch_floats", ctypes.c_int64, [ctypes.c_int64, ctypes.c_int])
+    assert fn(1000, 2048) == 1000 * 8
+
+
+def test_c_abi_rejects_bad_arguments_before_any_launch(built_library):
+    """These return before any CUDA call, so they run without a GPU."""
+    lib = library.MokLibrary(built_library)
+    i, i64, v = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fc1 = lib.function("mok_gemm_fc1_swiglu", i, [v, v, v, v, v, v, v, i64, i, i, i, i, i, i, v])
+    p = ctypes.c_void_p(0x10000)  # never dereferenced: the checks fail first
+    # null pointer
+    assert fc1(None, p, p, p, None, p, None, 256, 4, 1024, 512, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    # H not a multiple of 64
+    assert fc1(p, p, p, p, None, p, None, 256, 4, 1000, 512, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    # I not a multiple of the tile's h columns (128 for block_m 128)
+    assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 200, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    # block_m 96 is not built
+    assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 512, 96, 256, 0, None) == MOK_ERR_UNSUPPORTED
+    # too many experts
+    assert fc1(p, p, p, p, None, p, None, 256, 5000, 1024, 512, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    wgrad = lib.function("mok_gemm_weight_grad", i, [v, v, v, v, i, i, i64, i, i, i, i, v])
+    assert wgrad(p, p, p, p, 0, 0, 256, 4, 100, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT  # M % 128
+    assert wgrad(p, p, p, p, 1, 1, 256, 4, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT  # bf16 + accumulate
+    dgrad = lib.function("mok_gemm_fc2_dgrad_swiglu", i,
+                         [v, v, v, v, v, v, v, v, v, v, i64, i, i, i, i, i, v])
+    # a router weight without the buffers for its gradient
+    assert dgrad(p, p, p, p, p, p, p, None, None, None, 256, 4, 1024, 512, 128, 0, None) == MOK_ERR_INVALID_ARGUMENT
+
+
+def _cpu_args(R=256, L=4, H=1024, I=512):
+    x = torch.zeros(R, H, dtype=torch.bfloat16)
+    w1 = torch.zeros(L, 2 * I, H, dtype=torch.bfloat16)
+    w2 = torch.zeros(L, H, I, dtype=torch.bfloat16)
+    offsets = torch.zeros(L + 1, dtype=torch.int32)
+    counts = torch.zeros(L, dtype=torch.int32)
+    return x, w1, w2, offsets, counts
+
+
+def test_python_checks_name_the_bad_value():
+    x, w1, w2, offsets, counts = _cpu_args()
+    with pytest.raises(gg.GemmArgumentError, match="x must be torch.bfloat16"):
+        gg.check_fc1_swiglu(x.float(), w1, offsets, counts, None, 128)
+    with pytest.raises(gg.GemmArgumentError, match="fc1_weight must be"):
+        gg.check_fc1_swiglu(x, w1[:, :, :512], offsets, counts, None, 128)
+    with pytest.raises(gg.GemmArgumentError, match="offsets must have L \\+ 1 = 5"):
+        gg.check_fc1_swiglu(x, w1, offsets[:4], counts, None, 128)
+    with pytest.raises(gg.GemmArgumentError, match="tile_rows = 32"):
+        gg.check_fc1_swiglu(x, w1, offsets, counts, None, 32)
+    with pytest.raises(gg.GemmArgumentError, match="block_m = 128 must be 64 or 128 and divide tile_rows = 64"):
+        gg.check_fc1_swiglu(x, w1, offsets, counts, None, 64, block_m=128)
+    with pytest.raises(gg.GemmArgumentError, match="router_weight must have one entry per row"):
+        gg.check_fc1_swiglu(x, w1, offsets, counts, torch.ones(7), 128)
+    with pytest.raises(gg.GemmArgumentError, match="I = 192 must be a multiple of 128"):
+        gg.check_fc1_swiglu(x, torch.zeros(4, 384, 1024, dtype=torch.bfloat16), offsets, counts, None, 128)
+    with pytest.raises(gg.GemmArgumentError, match="contiguous"):
+        gg.check_fc2(torch.zeros(512, 256, dtype=torch.bfloat16).t(), w2, offsets, 128)
+    with pytest.raises(gg.GemmArgumentError, match="H = 768 must be a multiple of 512"):
+        gg.check_fc2(torch.zeros(256, 512, dtype=torch.bfloat16), torch.zeros(4, 768, 512, dtype=torch.bfloat16),
+                     offsets, 64)
+    with pytest.raises(gg.GemmArgumentError, match="gu must be"):
+        gg.check_fc2_dgrad_swiglu(x, w2, torch.zeros(256, 512, dtype=torch.bfloat16), offsets, counts, None, 128)
+    with pytest.raises(gg.GemmArgumentError, match="I = 256 must be a multiple of 512"):
+        gg.check_fc2_dgrad_swiglu(x, w2[:, :, :256].contiguous(), torch.zeros(256, 512, dtype=torch.bfloat16),
+                                  offsets, counts, None, 64)
+    with pytest.raises(gg.GemmArgumentError, match="N \\(columns of b\\) = 320"):
+        gg.check_weight_grad(x, torch.zeros(256, 320, dtype=torch.bfloat16), offsets)
+    with pytest.raises(gg.GemmArgumentError, match="main_grad must be fp32"):
+        gg.weight_grad(x, x, offsets, main_grad=torch.zeros(4, 1024, 1024, dtype=torch.bfloat16))
+    # valid arguments pass and pick block_m from the layout
+    assert gg.check_fc1_swiglu(x, w1, offsets, counts, torch.ones(256), 128) == 128
+    assert gg.check_fc1_swiglu(x, w1, offsets, counts, None, 64, wg_n=128) == 64
+    assert gg.check_fc2(torch.zeros(256, 512, dtype=torch.bfloat16), w2, offsets, 128, block_m=64) == 64
+    assert gg.check_fc1_dgrad(torch.zeros(256, 1024, dtype=torch.bfloat16), w1, offsets, 64) == 64
+
+
+def test_fake_impls_give_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, w1, w2, offsets, counts = _cpu_args(R=384, L=4, H=1024, I=512)
+        rw = torch.ones(384)
+        h, gu = torch.ops.mok.gemm_fc1_swiglu(x, w1, offsets, counts, rw, 128, 256, True, 0)
+        assert h.shape == (384, 512) and gu.shape == (384, 1024) and h.dtype == torch.bfloat16
+        h2, gu2 = torch.ops.mok.gemm_fc1_swiglu(x, w1, offsets, counts, None, 128, 256, False, 0)
+        assert gu2.shape == (0, 1024)
+        y = torch.ops.mok.gemm_fc2(h, w2, offsets, 128, 256, 0)
+        assert y.shape == (384, 1024)
+        dgu, dw, hh = torch.ops.mok.gemm_fc2_dgrad_swiglu(y, w2, gu, offsets, counts, rw, 128, True, 0)
+        assert dgu.shape == (384, 1024) and dw.shape == (384,) and dw.dtype == torch.float32 and hh.shape == (384, 512)
+        dx = torch.ops.mok.gemm_fc1_dgrad(dgu, w1, offsets, 128, 0)
+        assert dx.shape == (384, 1024)
+        d1 = torch.ops.mok.gemm_weight_grad(dgu, x, offsets, torch.float32, 0)
+        assert d1.shape == (4, 1024, 1024) and d1.dtype == torch.float32
+        d2 = torch.ops.mok.gemm_weight_grad(y, h, offsets, torch.bfloat16, 0)
+        assert d2.shape == (4, 1024, 512) and d2.dtype == torch.bfloat16
+
+
+# ---- GPU -------------------------------------------------------------------------------------
+
+REL_TOL = 1e-2  # bf16 operands and outputs, fp32 accumulation
+
+
+def _seed() -> int:
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    return seed
+
+
+class Layout:
+    """An expert-grouped layout: counts per expert, segments padded to `tile`, plus `extra`
+    spare rows after R_pad (outputs must leave them untouched)."""
+
+    def __init__(self, counts, tile, extra=None):
+        self.counts = list(counts)
+        self.tile = tile
+        self.offsets = [0]
+        for c in self.counts:
+            self.offsets.append(self.offsets[-1] + -(-c // tile) * tile)
+        self.R_pad = self.offsets[-1]
+        self.R = self.R_pad + (2 * tile if extra is None else extra)
+        self.L = len(self.counts)
+        self.offsets_d = torch.tensor(self.offsets, dtype=torch.int32, device="cuda")
+        self.counts_d = torch.tensor(self.counts, dtype=torch.int32, device="cuda")
+
+    def segments(self):
+        for l in range(self.L):
+            yield l, self.offsets[l], self.offsets[l] + self.counts[l], self.offsets[l + 1]
+
+    def real_mask(self):
+        m = torch.zeros(self.R, dtype=torch.bool, device="cuda")
+        for _, s, e, _ in self.segments():
+            m[s:e] = True
+        return m
+
+
+def _poisoned(*shape, dtype=torch.bfloat16):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def _rel(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _check(name, out, ref, lay: Layout, seed, rows_written=None):
+    rows = lay.R_pad if rows_written is None else rows_written
+    body = out[:rows]
+    assert not torch.isnan(body).any(), f"{name}: unwritten (NaN) elements in rows [0, {rows}) (seed {seed})"
+    if out.shape[0] > rows:
+        assert torch.isnan(out[rows:]).all(), f"{name}: rows beyond R_pad were written (seed {seed})"
+    err = _rel(body, ref[:rows])
+    assert err < REL_TOL, f"{name}: relative error {err:.3e} (seed {seed})"
+    return err
+
+
+def _inputs(lay: Layout, H, I, padding="random"):
+    """Expert-grouped x (padding rows random or zero), weights scaled for unit-size outputs."""
+    x = torch.randn(lay.R, H, device="cuda").bfloat16()
+    if padding == "zero":
+        x[~lay.real_mask()] = 0
+    w1 = (torch.randn(lay.L, 2 * I, H, device="cuda") / H ** 0.5).bfloat16()
+    w2 = (torch.randn(lay.L, H, I, device="cuda") / I ** 0.5).bfloat16()
+    rw = torch.rand(lay.R, device="cuda")
+    return x, w1, w2, rw
+
+
+def _silu(g):
+    return g * torch.sigmoid(g)
+
+
+def ref_fc1(lay, x, w1, rw):
+    I = w1.shape[1] // 2
+    h = torch.zeros(lay.R, I, dtype=torch.float64, device="cuda")
+    gu = torch.zeros(lay.R, 2 * I, dtype=torch.float64, device="cuda")
+    for l, s, e, _ in lay.segments():
+        a = x[s:e].double() @ w1[l].double().t()
+        gu[s:e] = a
+        hv = _silu(a[:, :I]) * a[:, I:]
+        h[s:e] = hv * (rw[s:e, None].double() if rw is not None else 1)
+    return h, gu
+
+
+def ref_rowwise(lay, a, b_of):
+    """out[rows of l] = a[rows of l] @ b_of(l) over whole segments (padding rows included)."""
+    out = torch.zeros(lay.R, b_of(0).shape[1], dtype=torch.float64, device="cuda")
+    for l, s, _, p in lay.segments():
+        out[s:p] = a[s:p].double() @ b_of(l).double()
+    return out
+
+
+def ref_swiglu_bwd(lay, dh, gu, rw):
+    I = dh.shape[1]
+    g, u = gu[:, :I].double(), gu[:, I:].double()
+    s = torch.sigmoid(g)
+    act = g * s
+    w = rw.double()[:, None] if rw is not None else torch.ones_like(g[:, :1])
+    mask = lay.real_mask()[:, None].double()
+    dgate = dh * w * u * (s + act * (1 - s)) * mask
+    dup = dh * w * act * mask
+    dw = (dh * act * u * mask).sum(1)
+    h = act * u * w * mask
+    return torch.cat([dgate, dup], 1), dw, h
+
+
+SMALL = [0, 1, 130, 700, 63, 0, 2500, 64]  # empty, one row, not tile multiples, a hot expert
+FWD_CONFIGS = [(128, 128, 256), (128, 64, 256), (64, 64, 256), (64, 64, 128)]  # (tile, block_m, wg_n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile,block_m,wg_n", FWD_CONFIGS)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fc1_swiglu(tile, block_m, wg_n, weighted):
+    seed = _seed()
+    lay = Layout(SMALL, tile)
+    H, I = 1024, 512
+    x, w1, _, rw = _inputs(lay, H, I)
+    rw = rw if weighted else None
+    h_ref, gu_ref = ref_fc1(lay, x, w1, rw)
+    for num_ctas in (0, 3):  # one CTA per SM, and few CTAs walking many tiles each
+        h, gu = _poisoned(lay.R, I), _poisoned(lay.R, 2 * I)
+        gg.launch_fc1_swiglu(x, w1, lay.offsets_d, lay.counts_d, rw, h, gu, block_m=block_m, wg_n=wg_n,
+                             num_ctas=num_ctas)
+        torch.cuda.synchronize()
+        _check(f"h (ctas={num_ctas})", h, h_ref, lay, seed)
+        _check(f"gu (ctas={num_ctas})", gu, gu_ref, lay, seed)
+        pad = ~lay.real_mask()[:lay.R_pad]
+        assert (h[:lay.R_pad][pad] == 0).all(), f"padding rows of h must be 0 (seed {seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile,block_m,wg_n", FWD_CONFIGS)
+def test_fc2(tile, block_m, wg_n):
+    seed = _seed()
+    lay = Layout(SMALL, tile)
+    H, I = 1024, 512
+    h = torch.randn(lay.R, I, device="cuda").bfloat16()
+    w2 = (torch.randn(lay.L, H, I, device="cuda") / I ** 0.5).bfloat16()
+    ref = ref_rowwise(lay, h, lambda l: w2[l].t())
+    for num_ctas in (0, 5):
+        y = _poisoned(lay.R, H)
+        gg.launch_fc2(h, w2, lay.offsets_d, y, block_m=block_m, wg_n=wg_n, num_ctas=num_ctas)
+        torch.cuda.synchronize()
+        _check(f"y (ctas={num_ctas})", y, ref, lay, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile,block_m", [(128, 128), (128, 64), (64, 64)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fc2_dgrad_swiglu(tile, block_m, weighted):
+    seed = _seed()
+    lay = Layout(SMALL, tile)
+    H, I = 1024, 512
+    dy = torch.randn(lay.R, H, device="cuda").bfloat16()
+    w2 = (torch.randn(lay.L, H, I, device="cuda") / H ** 0.5).bfloat16()
+    gu = torch.randn(lay.R, 2 * I, device="cuda").bfloat16()
+    rw = torch.rand(lay.R, device="cuda") if weighted else None
+    dh = ref_rowwise(lay, dy, lambda l: w2[l])
+    dgu_ref, dw_ref, h_ref = ref_swiglu_bwd(lay, dh, gu, rw)
+    for num_ctas in (0, 4):
+        dgu, hh = _poisoned(lay.R, 2 * I), _poisoned(lay.R, I)
+        dw = _poisoned(lay.R, dtype=torch.float32) if weighted else None
+        scratch = torch.empty(gg.dgrad_scratch_floats(lay.R, I), device="cuda") if weighted else None
+        gg.launch_fc2_dgrad_swiglu(dy, w2, gu, lay.offsets_d, lay.counts_d, rw, dgu, hh, dw, scratch,
+                                   block_m=block_m, num_ctas=num_ctas)
+        torch.cuda.synchronize()
+        _check(f"dgu (ctas={num_ctas})", dgu, dgu_ref, lay, seed)
+        _check(f"h recomputed (ctas={num_ctas})", hh, h_ref, lay, seed)
+        if weighted:
+            _check(f"d router weight (ctas={num_ctas})", dw, dw_ref, lay, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile,block_m", [(128, 128), (128, 64), (64, 64)])
+def test_fc1_dgrad(tile, block_m):
+    seed = _seed()
+    lay = Layout(SMALL, tile)
+    H, I = 1024, 512
+    dgu = torch.randn(lay.R, 2 * I, device="cuda").bfloat16()
+    w1 = (torch.randn(lay.L, 2 * I, H, device="cuda") / (2 * I) ** 0.5).bfloat16()
+    ref = ref_rowwise(lay, dgu, lambda l: w1[l])
+    for num_ctas in (0, 7):
+        dx = _poisoned(lay.R, H)
+        gg.launch_fc1_dgrad(dgu, w1, lay.offsets_d, dx, block_m=block_m, num_ctas=num_ctas)
+        torch.cuda.synchronize()
+        _check(f"dx (ctas={num_ctas})", dx, ref, lay, seed)
+
+
+def _ref_wgrad(lay, a, b):
+    out = torch.zeros(lay.L, a.shape[1], b.shape[1], dtype=torch.float64, device="cuda")
+    for l, s, _, p in lay.segments():
+        out[l] = a[s:p].double().t() @ b[s:p].double()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [128, 64])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "accumulate"])
+def test_weight_grad(tile, mode):
+    seed = _seed()
+    lay = Layout(SMALL, tile)
+    M, N = 1024, 512
+    a = torch.randn(lay.R, M, device="cuda").bfloat16()
+    b = torch.randn(lay.R, N, device="cuda").bfloat16()
+    ref = _ref_wgrad(lay, a, b)
+    for num_ctas in (0, 6):
+        if mode == "accumulate":
+            base = torch.randn(lay.L, M, N, device="cuda")
+            out = base.clone()
+            gg.launch_weight_grad(a, b, lay.offsets_d, out, accumulate=True, num_ctas=num_ctas)
+            expect = ref + base.double()
+        else:
+            out = _poisoned(lay.L, M, N, dtype=torch.float32 if mode == "fp32" else torch.bfloat16)
+            gg.launch_weight_grad(a, b, lay.offsets_d, out, num_ctas=num_ctas)
+            expect = ref
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any(), f"unwritten weight-gradient elements (seed {seed})"
+        for l, c in enumerate(lay.counts):
+            if c == 0:  # empty experts: zero gradient, or main_grad left exactly as it was
+                want = base[l] if mode == "accumulate" else torch.zeros_like(out[l])
+                assert torch.equal(out[l], want.to(out.dtype)), f"empty expert {l} (seed {seed})"
+        err = _rel(out, expect)
+        assert err < REL_TOL, f"weight grad {mode} (ctas={num_ctas}): relative error {err:.3e} (seed {seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["kimi", "qwen"])
+def test_expert_ffn_chain_at_real_shapes(shape):
+    """fc1+SwiGLU -> fc2 forward and the whole backward at the real H, I with skewed counts,
+    through the public wrappers, against one float64 reference of the chain."""
+    seed = _seed()
+    H, I = (7168, 2048) if shape == "kimi" else (4096, 1536)
+    lay = Layout([3000, 0, 170, 1, 680, 0, 129, 64], 128)
+    x, w1, w2, rw = _inputs(lay, H, I, padding="zero")
+    dy = torch.randn(lay.R, H, device="cuda").bfloat16()
+    # forward
+    h, gu = gg.fc1_swiglu(x, w1, lay.offsets_d, lay.counts_d, rw, save_preact=True)
+    y = gg.fc2(h, w2, lay.offsets_d)
+    # backward
+    dgu, dw, h_re = gg.fc2_dgrad_swiglu(dy, w2, gu, lay.offsets_d, lay.counts_d, rw, want_h=True)
+    dx = gg.fc1_dgrad(dgu, w1, lay.offsets_d)
+    d_w1 = gg.weight_grad(dgu, x, lay.offsets_d)
+    d_w2 = torch.zeros(lay.L, H, I, device="cuda")
+    gg.weight_grad(dy, h_re, lay.offsets_d, main_grad=d_w2)
+    torch.cuda.synchronize()
+    # float64 chain on the real rows (padding rows of x are zero, as dispatch leaves them)
+    h_ref, gu_ref = ref_fc1(lay, x, w1, rw)
+    y_ref = ref_rowwise(lay, h_ref, lambda l: w2[l].double().t())
+    dh = ref_rowwise(lay, dy, lambda l: w2[l])
+    dgu_ref, dw_ref, h_re_ref = ref_swiglu_bwd(lay, dh, gu_ref, rw)
+    dx_ref = ref_rowwise(lay, dgu_ref, lambda l: w1[l].double())
+    dw1_ref = _ref_wgrad(lay, dgu_ref, x)
+    dw2_ref = _ref_wgrad(lay, dy, h_re_ref)
+    R = lay.R_pad
+    errs = {}
+    for name, out, ref in [("h", h, h_ref), ("gu", gu, gu_ref), ("y", y, y_ref), ("dgu", dgu, dgu_ref),
+                           ("h recomputed", h_re, h_re_ref), ("dx", dx, dx_ref)]:
+        assert not torch.isnan(out[:R]).any(), f"{name}: NaN (seed {seed})"
+        errs[name] = _rel(out[:R], ref[:R])
+    errs["d router weight"] = _rel(dw[:R], dw_ref[:R])
+    errs["d fc1_weight"] = _rel(d_w1, dw1_ref)
+    errs["d fc2_weight"] = _rel(d_w2, dw2_ref)
+    bad = {k: v for k, v in errs.items() if not v < REL_TOL}
+    assert not bad, f"relative errors over {REL_TOL}: {bad} (all: {errs}, seed {seed})"
+
+
+@pytest.mark.gpu
+def test_results_are_deterministic_and_ops_match_launchers():
+    seed = _seed()
+    lay = Layout(SMALL, 128)
+    H, I = 1024, 512
+    x, w1, w2, rw = _inputs(lay, H, I)
+    h1, gu1 = gg.fc1_swiglu(x, w1, lay.offsets_d, lay.counts_d, rw, save_preact=True)
+    h2, gu2 = gg.fc1_swiglu(x, w1, lay.offsets_d, lay.counts_d, rw, save_preact=True, num_ctas=9)
+    R = lay.R_pad
+    assert torch.equal(h1[:R], h2[:R]) and torch.equal(gu1[:R], gu2[:R]), f"seed {seed}"
+    dy = torch.randn(lay.R, H, device="cuda").bfloat16()
+    a = gg.fc2_dgrad_swiglu(dy, w2, gu1, lay.offsets_d, lay.counts_d, rw)
+    b = gg.fc2_dgrad_swiglu(dy, w2, gu1, lay.offsets_d, lay.counts_d, rw, num_ctas=5)
+    assert torch.equal(a[0][:R], b[0][:R]) and torch.equal(a[1][:R], b[1][:R]), f"seed {seed}"
+    d1 = gg.weight_grad(a[0], x, lay.offsets_d)
+    d2 = gg.weight_grad(a[0], x, lay.offsets_d, num_ctas=11)
+    assert torch.equal(d1, d2), f"seed {seed}"
+
+
+@pytest.mark.gpu
+def test_empty_layout_and_wrappers_under_compile():
+    lay = Layout([0, 0, 0], 128, extra=128)
+    H, I = 1024, 512
+    x, w1, w2, rw = _inputs(lay, H, I)
+    h, _ = gg.fc1_swiglu(x, w1, lay.offsets_d, lay.counts_d, rw)
+    y = gg.fc2(h, w2, lay.offsets_d)
+    d = gg.weight_grad(torch.randn(lay.R, 2 * I, device="cuda").bfloat16(), x, lay.offsets_d)
+    torch.cuda.synchronize()
+    assert y.shape == (lay.R, H) and torch.equal(d, torch.zeros_like(d))
+
+    lay = Layout([5, 300, 0, 77], 128)
+    x, w1, w2, rw = _inputs(lay, H, I)
+
+    def ffn(x, w1, w2, offsets, counts, rw):
+        h, _ = gg.fc1_swiglu(x, w1, offsets, counts, rw)
+        return gg.fc2(h, w2, offsets)
+
+    eager = ffn(x, w1, w2, lay.offsets_d, lay.counts_d, rw)
+    compiled = torch.compile(ffn, fullgraph=True, backend="aot_eager")(x, w1, w2, lay.offsets_d, lay.counts_d, rw)
+    torch.cuda.synchronize()
+    assert torch.equal(eager[:lay.R_pad], compiled[:lay.R_pad])
