@@ -385,15 +385,18 @@ FAKE_LAUNCHER = textwrap.dedent('''
 def test_e2e_with_a_fake_launcher(tmp_path, capsys):
     launcher = tmp_path / "fake_pretrain.py"
     launcher.write_text(FAKE_LAUNCHER)
+    defaults = tmp_path / "defaults.args"
+    defaults.write_text("--seq-length 128 --global-batch-size 16  # sequences\n")
     args_file = tmp_path / "proxy.args"
-    args_file.write_text("# proxy model\n--seq-length 256\n--global-batch-size 16  # sequences\n")
+    args_file.write_text("# proxy model: a later file wins\n#@ experts_per_gpu=8\n--seq-length 256\n")
     out = tmp_path / "e2e"
     old = dict(os.environ)
     os.environ.update({k: v for k, v in _env().items() if k in ("PYTHONPATH", "OMP_NUM_THREADS")})
     try:
         code = e2e.main(["--launcher", str(launcher), "--nproc-per-node", "2", "--iters", "5",
                          "--skip-iters", "1", "--dispatchers", "alltoall,mok:cuda,flex-deepep,allgather",
-                         "--args-file", str(args_file), "--out", str(out), "--no-throughput"])
+                         "--args-file", str(defaults), "--args-file", str(args_file), "--out", str(out),
+                         "--no-throughput"])
     finally:
         os.environ.clear()
         os.environ.update(old)
@@ -402,7 +405,9 @@ def test_e2e_with_a_fake_launcher(tmp_path, capsys):
     assert "flex-deepep: skipped: DeepEP is not installed" in printed
     doc = json.loads((out / "e2e.json").read_text())
     assert doc["schema"] == "megatron-mok/bench-e2e/1"
-    assert doc["settings"]["launcher_args"] == ["--seq-length", "256", "--global-batch-size", "16"]
+    assert doc["settings"]["launcher_args"] == ["--seq-length", "128", "--global-batch-size", "16",
+                                                "--seq-length", "256"]
+    assert doc["settings"]["config_label"] == "proxy.args"
     runs = {r["dispatcher"]: r for r in doc["runs"]}
     a2a, mok = runs["alltoall"], runs["mok:cuda"]
     assert a2a["status"] == mok["status"] == "ok"

@@ -3,7 +3,7 @@ dispatcher, compared by step time and tokens/s per GPU.
 
 For every dispatcher it starts ``torchrun --nproc-per-node N`` on the launcher (default
 ``python -m megatron_mok.pretrain_gpt``, which takes Megatron-LM's pretrain_gpt.py flags)
-with the model and data flags given after ``--`` (or in ``--args-file``), plus
+with the model and data flags of ``--args-file`` files and those given after ``--``, plus
 
     <dispatcher flags> --train-iters ITERS --log-interval 1 --eval-iters 0 [--log-throughput]
 
@@ -240,8 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-iters", type=int, default=5, help="first iterations left out as warm-up")
     p.add_argument("--launcher", default="megatron_mok.pretrain_gpt",
                    help="module (run with -m) or .py script that takes Megatron's pretrain_gpt flags")
-    p.add_argument("--args-file", help="file of launcher flags (shell words, # comments), before those after '--'")
-    p.add_argument("--label", help="name of the configuration in the table and chart (default: the args file's name)")
+    p.add_argument("--args-file", action="append", default=[],
+                   help="file of launcher flags (shell words, # comments); repeatable, read in order, "
+                        "before the flags after '--'")
+    p.add_argument("--label", help="name of the configuration in the table and chart (default: the "
+                                   "last args file's name)")
     p.add_argument("--no-throughput", action="store_true", help="do not pass --log-throughput")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="limit per run, seconds")
     p.add_argument("--verbose", action="store_true", help="echo the whole training log")
@@ -276,10 +279,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.timeout_s <= 0:
             raise E2EArgumentError(f"--timeout-s {args.timeout_s} must be positive")
         launcher_command(args.launcher)
-        launcher_args = (read_args_file(args.args_file) if args.args_file else []) + passthrough
+        launcher_args = [flag for path in args.args_file for flag in read_args_file(path)] + passthrough
     except E2EArgumentError as err:
         parser.error(str(err))
-    label = args.label or (os.path.basename(args.args_file) if args.args_file else "launcher flags")
+    label = args.label or (os.path.basename(args.args_file[-1]) if args.args_file else "launcher flags")
     runs = [run_one(spec, args, launcher_args) for spec in specs]
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     doc = {
