@@ -5,7 +5,6 @@ that write the JSON, PNG and Markdown outputs."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys

@@ -125,24 +125,30 @@ class _LeafGradsRunner(Runner):
 
 
 class MokRunner(_LeafGradsRunner):
-    """``megatron_mok.functional.mok_moe`` with a fixed backend."""
+    """``megatron_mok.functional.mok_moe`` with a fixed backend. Its communication workspace
+    is sized for ``max_tokens`` per rank at the first call (the capacity cannot grow later on
+    an EP group), so the benchmark passes the case's token count even when a check with fewer
+    tokens runs first."""
 
-    def __init__(self, name: str, experts: Experts):
+    def __init__(self, name: str, experts: Experts, max_tokens: int):
         super().__init__(experts)
         self.name = name
         self.backend = MOK_BACKENDS[name]
         try:
+            from megatron_mok import MoKConfig
             from megatron_mok.functional import BackendUnavailable, mok_moe
         except ImportError as err:
             raise Skip(f"megatron_mok.functional does not import ({err})") from err
         self._mok_moe = mok_moe
         self._unavailable = BackendUnavailable
+        self.config = MoKConfig(max_tokens_per_rank=max_tokens)
 
     def forward(self, batch: TokenBatch, mark: Mark = None) -> torch.Tensor:
         e = self.experts
         try:
             return self._mok_moe(batch.x, batch.topk_ids, batch.topk_weights, e.fc1_weight,
-                                 e.fc2_weight, ep_group=e.group, backend=self.backend)
+                                 e.fc2_weight, ep_group=e.group, config=self.config,
+                                 backend=self.backend)
         except self._unavailable as err:
             raise Skip(str(err)) from err
         except ImportError as err:
@@ -226,16 +232,16 @@ class MegatronRunner(Runner):
             torch.cuda.empty_cache()
 
 
-def make_runner(name: str, experts: Experts, topk: int) -> Runner:
-    """Prepare backend ``name`` (a key of :data:`BACKENDS`) for ``experts`` and top-``topk``
-    routing.
+def make_runner(name: str, experts: Experts, topk: int, max_tokens: int) -> Runner:
+    """Prepare backend ``name`` (a key of :data:`BACKENDS`) for ``experts``, top-``topk``
+    routing and batches of at most ``max_tokens`` tokens per rank.
 
     Raises:
         Skip: when the backend cannot run here, with the reason.
         ValueError: for an unknown name.
     """
     if name in MOK_BACKENDS:
-        return MokRunner(name, experts)
+        return MokRunner(name, experts, max_tokens)
     if name == "a2a-grouped-mm":
         return A2ARunner(experts)
     if name in megatron_layer.MEGATRON_BACKENDS:

@@ -7,8 +7,9 @@ Start it with torchrun, one process per GPU (the EP group is all of them):
 
 Method (DESIGN.md section 6), per shape and expert count: random tokens, weights and routing;
 each backend's output and gradients are first checked against the reference backend on the
-first ``--check-tokens`` tokens of every rank (the full weights, so every expert's path is
-exercised); then ``--warmup`` untimed and ``--iters`` timed iterations, each forward and
+first ``--check-tokens`` tokens of every rank with the case's weights (or, where the
+reference's float32 copies of those would not fit in GPU memory, on up to 16 experts per GPU
+with the same H, I and K: ``--check-mode``); then ``--warmup`` untimed and ``--iters`` timed iterations, each forward and
 backward timed separately with CUDA events after the ranks meet; the figure is the median over
 iterations of the slowest rank. TFLOP/s = 6*T*K*H*I / latency (backward: twice the FLOP).
 """
@@ -261,14 +262,14 @@ def plan_check(case: BenchCase, routing: RoutingSpec, experts: Experts, batch: T
         fc1, fc2 = random_weights(few, shape.hidden, shape.ffn_hidden, seed=seed + 103, device=env.device)
         check_experts = Experts(fc1_weight=fc1, fc2_weight=fc2, num_experts=small.num_experts, group=env.group)
         mode = "reduced-experts"
-    oracle = run_once(make_runner("reference", check_experts, shape.topk), check_batch)
+    oracle = run_once(make_runner("reference", check_experts, shape.topk, case.tokens_per_gpu), check_batch)
     return CheckPlan(mode=mode, batch=check_batch, experts=check_experts, oracle=oracle)
 
 
-def check_backend(name: str, runner, plan: CheckPlan, args, env: Dist, topk: int) -> CheckResult:
+def check_backend(name: str, runner, plan: CheckPlan, args, env: Dist, case: BenchCase) -> CheckResult:
     """Run backend ``name`` on the plan's batch and compare with the reference's outcome."""
     own = plan.experts is runner.experts
-    check_runner = runner if own else make_runner(name, plan.experts, topk)
+    check_runner = runner if own else make_runner(name, plan.experts, case.shape.topk, case.tokens_per_gpu)
     try:
         got = run_once(check_runner, plan.batch)
         return compare(got, plan.oracle, tokens=int(plan.batch.x.shape[0]),
@@ -286,11 +287,11 @@ def run_backend(name: str, case: BenchCase, batch: TokenBatch, experts: Experts,
     result: Dict[str, object] = {"backend": name, "description": BACKENDS[name]}
     runner = None
     try:
-        runner = make_runner(name, experts, shape.topk)
+        runner = make_runner(name, experts, shape.topk, case.tokens_per_gpu)
         if name == "reference":
             result["check"] = {"oracle": True, "passed": True}
         elif plan is not None:
-            check = check_backend(name, runner, plan, args, env, shape.topk)
+            check = check_backend(name, runner, plan, args, env, case)
             result["check"] = {**plan.to_json(), **check.to_json()}
             if not check.passed:
                 raise WrongResult(f"differs from the reference ({check.describe()}; tol {check.tol:g})")

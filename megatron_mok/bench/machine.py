@@ -54,7 +54,7 @@ def machine_info(world_size: int, device: torch.device) -> Dict[str, object]:
     if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
         try:
             nccl = ".".join(map(str, torch.cuda.nccl.version()))
-        except (RuntimeError, AttributeError):
+        except (RuntimeError, AttributeError, TypeError):
             nccl = None
     where = f"{world_size} x {gpu}" if gpu else f"{world_size} CPU process(es) ({platform.processor() or platform.machine()})"
     return {
