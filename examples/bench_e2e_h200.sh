@@ -22,7 +22,7 @@ iters=${ITERS:-20}
 dispatchers=${DISPATCHERS:-alltoall,mok}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
-defaults="$out/e2e-training-defaults.args"
+defaults="$(mktemp -d)/training-defaults.args"  # its flags are recorded in the JSON
 cat > "$defaults" <<ARGS
 # Written by examples/bench_e2e_h200.sh: parallelism and training flags of the comparison.
 --tensor-model-parallel-size 1
