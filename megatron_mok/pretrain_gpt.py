@@ -346,13 +346,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
+    from .config import MoKConfigError
+    from .megatron.validation import MoKUnsupportedError
+
     main_entry = time.time()
     megatron_mok.register()
     arguments = expand_arg_files(sys.argv[1:] if argv is None else list(argv))
     sys.argv = [sys.argv[0]] + arguments  # Megatron's parser reads sys.argv
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=main_entry)
     run_pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
-    args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    try:
+        args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    except (MoKUnsupportedError, MoKConfigError) as err:
+        print(f"mok-pretrain-gpt: error: {err}", file=sys.stderr, flush=True)
+        return 2
     _reject_unsupported(args)
     model_cfg = gpt_config_from_args(args)
 

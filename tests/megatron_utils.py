@@ -37,7 +37,7 @@ def megatron_ranks(fn, world: int, *args, tensor_parallel: int = 1, expert_paral
 def tiny_config(dispatcher: str, ep: int, **overrides):
     """A fp32 GPT-MoE TransformerConfig small enough for the CPU: 2 layers (dense, MoE), 4
     experts per EP rank, top-2, DeepSeek-style router (sigmoid, groups, expert bias, seq aux
-    loss), a shared expert, one MTP layer."""
+    loss), a shared expert, one MTP layer. ``mok_settings=`` attaches MoKLayerSettings."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = dict(
@@ -54,8 +54,12 @@ def tiny_config(dispatcher: str, ep: int, **overrides):
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         apply_rope_fusion=False, bias_dropout_fusion=False, init_method_std=0.05,
     )
+    settings = overrides.pop("mok_settings", None)
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if settings is not None:
+        config.mok_settings = settings
+    return config
 
 
 def build_gpt(config, seed: int = 7):
@@ -97,3 +101,23 @@ def moe_layers(model):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     return [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
+
+
+def assert_close_tensors(expected: dict, actual: dict, what: str, rtol: float = 2e-5) -> None:
+    """Same keys, and every tensor within ``rtol`` of the largest magnitude of its expectation
+    (fp32 round-off of a different summation order, far below any real mismatch)."""
+    assert expected.keys() == actual.keys(), f"{what}: keys differ: {set(expected) ^ set(actual)}"
+    for name, want in expected.items():
+        got = actual[name]
+        assert got.shape == want.shape, f"{what} {name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        scale = want.abs().max().item()
+        err = (got - want).abs().max().item()
+        assert err <= rtol * scale + 1e-7, f"{what} {name}: max |diff| {err:.3e} vs scale {scale:.3e}"
+
+
+def moe_spec_layer(config):
+    """One MoE layer built the way a GPT layer spec builds it (local spec's mlp builder)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+
+    builder = get_gpt_layer_local_submodules(num_experts=config.num_moe_experts).mlp
+    return builder(config=config, pg_collection=None, is_mtp_layer=False)

@@ -6,7 +6,8 @@ Megatron-Core has no dispatcher registry, so registration patches the three plac
    'flex']`` and Megatron's argument parser derives the flag's choices from that type: the type
    gains ``'mok'``, so ``--moe-token-dispatcher-type mok`` parses;
 2. ``megatron.training.arguments.add_megatron_arguments`` gains the ``--mok-*`` flags
-   (:mod:`.arguments`) and ``validate_args`` checks their values;
+   (:mod:`.arguments`), and ``validate_args`` checks their values and, with ``mok``, the model
+   settings MoK does not support (:mod:`.validation`), before anything is built;
 3. ``MoELayer.__new__`` returns a :class:`~.layer.MoKMoELayer` when the config's dispatcher type
    is ``'mok'``. Every spec function (``get_gpt_layer_local_submodules``,
    ``get_gpt_layer_with_transformer_engine_spec``, ``get_gpt_decoder_block_spec``, the MTP
@@ -67,6 +68,7 @@ def _patch_argument_parser() -> None:
     if getattr(megatron_arguments, _MARK, False):
         return
     from .arguments import add_mok_arguments, settings_from_args
+    from .validation import check_supported
 
     original_add = megatron_arguments.add_megatron_arguments
     original_validate = megatron_arguments.validate_args
@@ -76,7 +78,11 @@ def _patch_argument_parser() -> None:
 
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's own signature
         result = original_validate(args, defaults)
-        settings_from_args(args)  # raises MoKConfigError for a bad --mok-* value
+        settings = settings_from_args(args)  # raises MoKConfigError for a bad --mok-* value
+        if getattr(args, "moe_token_dispatcher_type", None) == MOK_DISPATCHER_TYPE and getattr(args, "num_experts", None):
+            # The same check the layer runs at construction, here at start-up, before any
+            # process group or model exists.
+            check_supported(megatron_arguments.core_transformer_config_from_args(args), settings)
         return result
 
     add_megatron_arguments.__doc__ = original_add.__doc__

@@ -65,10 +65,12 @@ def unsupported_settings(config: Any, settings: MoKLayerSettings) -> List[str]:
                     "moe_pad_experts_for_cuda_graph_inference"):
         if getattr(config, setting, False):
             bad(setting, True, "MoK never drops or pads tokens to a capacity; remove this option")
-    if not getattr(config, "gated_linear_unit", False) or getattr(config, "activation_func", None) is not F.silu:
-        bad("activation", f"gated_linear_unit={getattr(config, 'gated_linear_unit', None)}, "
-                          f"activation_func={_name(getattr(config, 'activation_func', None))}",
-            "MoK's expert FFN is SwiGLU, (silu(x G) * (x U)) D; use --swiglu")
+    swiglu = "MoK's expert FFN is SwiGLU, (silu(x G) * (x U)) D; use --swiglu"
+    if not getattr(config, "gated_linear_unit", False):
+        bad("gated_linear_unit", getattr(config, "gated_linear_unit", None), swiglu)
+    activation = getattr(config, "activation_func", None)
+    if activation is not F.silu:
+        problems.append(f"activation_func={_name(activation)}: {swiglu}")
     if getattr(config, "glu_linear_offset", 0.0):
         bad("glu_linear_offset", config.glu_linear_offset,
             "MoK's SwiGLU has no offset on the linear half; leave it at 0")

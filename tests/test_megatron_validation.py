@@ -1,0 +1,100 @@
+"""Clear start-up errors for what the MoK layer does not support: each names the setting, its
+value, why MoK cannot honour it and what to do."""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.nn.functional as F
+
+from megatron_mok.megatron import MoKLayerSettings, MoKUnsupportedError, check_supported, unsupported_settings
+from megatron_mok.megatron.peers import peer_access_problem
+from tests.megatron_utils import moe_spec_layer, tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(**changes):
+    """The tiny MoK config with attributes changed after construction (Megatron's own
+    ``__post_init__`` refuses some of these combinations for a non-alltoall dispatcher, or
+    needs Transformer Engine for them; the MoK check must catch them either way)."""
+    config = copy.copy(tiny_config("mok", 1))
+    for name, value in changes.items():
+        setattr(config, name, value)
+    return config
+
+
+CASES = [
+    (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size=2", "--expert-tensor-parallel-size 1"),
+    (dict(moe_expert_capacity_factor=1.25), "moe_expert_capacity_factor=1.25", "never drops tokens"),
+    (dict(moe_pad_expert_input_to_capacity=True), "moe_pad_expert_input_to_capacity=True", "never drops or pads"),
+    (dict(gated_linear_unit=False), "gated_linear_unit=False", "use --swiglu"),
+    (dict(activation_func=F.gelu), "activation_func=gelu", "SwiGLU"),
+    (dict(add_bias_linear=True), "add_bias_linear=True", "--disable-bias-linear"),
+    (dict(moe_apply_probs_on_input=True), "moe_apply_probs_on_input=True", "after SwiGLU"),
+    (dict(fp8="e4m3"), "fp8='e4m3'", "remove --fp8"),
+    (dict(moe_latent_size=16), "moe_latent_size=16", "latent MoE"),
+    (dict(moe_shared_expert_overlap=True), "moe_shared_expert_overlap=True", "--mok-fuse-shared-expert"),
+    (dict(overlap_moe_expert_parallel_comm=True), "overlap_moe_expert_parallel_comm=True", "inside one kernel"),
+    (dict(delay_wgrad_compute=True), "delay_wgrad_compute=True", "cannot be deferred"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=[]), "cuda_graph_modules='whole layer'", "--cuda-graph-modules attn"),
+    (dict(moe_mlp_glu_interleave_size=32), "moe_mlp_glu_interleave_size=32", "all gate rows then all up rows"),
+]
+
+
+@pytest.mark.parametrize("changes,setting,advice", CASES, ids=[c[1].split("=")[0] for c in CASES])
+def test_unsupported_setting_is_named_with_reason(changes, setting, advice):
+    problems = unsupported_settings(_config(**changes), MoKLayerSettings())
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(setting) and advice in problems[0]
+
+
+def test_supported_config_passes_and_errors_are_listed_together():
+    assert unsupported_settings(tiny_config("mok", 1), MoKLayerSettings()) == []
+    with pytest.raises(MoKUnsupportedError) as err:
+        check_supported(_config(expert_tensor_parallel_size=4, moe_expert_capacity_factor=1.0), MoKLayerSettings())
+    message = str(err.value)
+    assert message.startswith("--moe-token-dispatcher-type mok does not support these settings:")
+    assert "expert_tensor_parallel_size=4" in message and "moe_expert_capacity_factor=1.0" in message
+
+
+def test_fused_shared_expert_requirements():
+    fused = MoKLayerSettings(fuse_shared_expert=True)
+    assert unsupported_settings(tiny_config("mok", 1), fused) == []
+    problems = unsupported_settings(_config(tensor_model_parallel_size=2, moe_shared_expert_intermediate_size=24), fused)
+    assert any(p.startswith("tensor_model_parallel_size=2") and "weights whole" in p for p in problems)
+    assert any(p.startswith("moe_shared_expert_intermediate_size=24") and "multiple of" in p for p in problems)
+    # Without fusion the same shapes are fine: Megatron's module computes the shared expert.
+    assert unsupported_settings(_config(moe_shared_expert_intermediate_size=24), MoKLayerSettings()) == []
+
+
+def test_layer_construction_fails_before_building_anything():
+    import megatron_mok
+
+    megatron_mok.register()
+    with pytest.raises(MoKUnsupportedError, match="moe_expert_capacity_factor=2.0"):
+        moe_spec_layer(_config(moe_expert_capacity_factor=2.0))
+
+
+def test_ep_without_peer_access_is_refused():
+    no_p2p = lambda a, b: False  # noqa: E731
+    cross_node = [("node-a", 0, False), ("node-a", 1, False), ("node-b", 0, False)]
+    message = peer_access_problem(cross_node, can_access=no_p2p)
+    assert "spans 2 nodes" in message and "node-b (EP ranks [2])" in message
+    assert "--mok-backend reference" in message
+    # One multi-node NVLink domain (IMEX channels on every node) is fine across nodes.
+    nvl72 = [("tray-1", 0, True), ("tray-2", 0, True)]
+    assert peer_access_problem(nvl72, can_access=no_p2p) is None
+
+
+def test_launcher_reports_unsupported_settings_at_startup():
+    cmd = [sys.executable, "-m", "megatron_mok.pretrain_gpt", "@configs/tiny.args", "@configs/local_no_te.args",
+           "--moe-token-dispatcher-type", "mok", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
+           "--moe-expert-capacity-factor", "1.0"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "mok-pretrain-gpt: error: --moe-token-dispatcher-type mok does not support" in proc.stderr
+    assert "moe_expert_capacity_factor=1.0: MoK never drops tokens" in proc.stderr
+    assert "Traceback" not in proc.stderr
