@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 import megatron_mok  # noqa: E402
 
-__all__ = ["main", "expand_arg_files", "forward_step", "loss_func", "get_batch",
+__all__ = ["main", "expand_arg_files", "read_config_metadata", "forward_step", "loss_func", "get_batch",
            "train_valid_test_datasets_provider", "gpt_dataset_config_from_args", "get_embedding_ranks"]
 
 _UNSUPPORTED_FLAGS = {
@@ -74,6 +74,23 @@ def expand_arg_files(argv: Sequence[str]) -> List[str]:
                  for w in words]
         out.extend(expand_arg_files(words))
     return out
+
+
+def read_config_metadata(path: str) -> dict:
+    """The ``#@ key=value`` lines of a config file (e.g. ``nodes``, ``gpus_per_node``,
+    ``experts_per_gpu``, ``min_gpus``), values as int where they are integers.
+
+    Megatron ignores these lines (they are comments); launch scripts read them to size a job.
+    """
+    meta = {}
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("#@"):
+                continue
+            for item in line[2:].split():
+                key, _, value = item.partition("=")
+                meta[key] = int(value) if value.isdigit() else value
+    return meta
 
 
 # ----------------------------------------------------------------------------------------------

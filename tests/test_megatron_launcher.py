@@ -1,0 +1,95 @@
+"""The launcher (``python -m megatron_mok.pretrain_gpt``) and the configs, on a CPU-only machine:
+arguments parse and validate, the model is built (on the meta device) with the MoK layer, and
+the launcher says plainly that training needs a GPU. The same code paths run first on the GPU
+machine."""
+
+import contextlib
+import glob
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_mok.pretrain_gpt import expand_arg_files, read_config_metadata
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+TRAIN = ["--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-4", "--mock-data"]
+
+
+def test_expand_arg_files(tmp_path):
+    inner = tmp_path / "inner.args"
+    inner.write_text("--b 2  # a comment\n# a whole-line comment\n--c 'x y'\n")
+    outer = tmp_path / "outer.args"
+    outer.write_text("--a 1\n@inner.args\n")
+    assert expand_arg_files(["--z", f"@{outer}", "--d"]) == ["--z", "--a", "1", "--b", "2", "--c", "x y", "--d"]
+    assert read_config_metadata(os.path.join(CONFIGS, "deepseek_v3_nvl72.args")) == \
+        {"nodes": 64, "gpus_per_node": 4, "racks": 4}
+
+
+def _config_files():
+    return sorted(p for p in glob.glob(os.path.join(CONFIGS, "*.args"))
+                  if os.path.basename(p) not in ("local_no_te.args",) and
+                  (p.endswith("_nvl72.args") or "proxy" in p or p.endswith("tiny.args")))
+
+
+@pytest.mark.parametrize("path", _config_files(), ids=os.path.basename)
+def test_config_parses_and_validates_with_mok(path, monkeypatch):
+    """Every runnable config passes Megatron's validation and MoK's start-up checks at its
+    GPU count (full-size configs at their NVL72 rack size)."""
+    import megatron_mok
+    from megatron.training.arguments import parse_args, validate_args
+
+    megatron_mok.register()
+    meta = read_config_metadata(path)
+    world = meta.get("nodes", 0) * meta.get("gpus_per_node", 0) or meta.get("min_gpus", 1)
+    extra = []
+    if "proxy" in os.path.basename(path):
+        extra = ["--num-experts", str(meta["experts_per_gpu"] * world), "--expert-model-parallel-size", str(world)]
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setattr(sys, "argv", ["x"] + expand_arg_files([f"@{path}", f"@{CONFIGS}/local_no_te.args"])
+                        + TRAIN + extra + ["--moe-token-dispatcher-type", "mok"])
+    args = parse_args()
+    with contextlib.redirect_stdout(io.StringIO()):
+        validate_args(args, {})
+    assert args.moe_token_dispatcher_type == "mok"
+    assert args.num_experts % args.expert_model_parallel_size == 0
+    assert args.expert_tensor_parallel_size == 1
+    if "experts_per_gpu" in meta:
+        assert args.num_experts // args.expert_model_parallel_size == meta["experts_per_gpu"]
+
+
+def _launch(*flags, nproc=1):
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "megatron_mok.pretrain_gpt"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", "29531", "-m", "megatron_mok.pretrain_gpt"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd + ["@configs/local_no_te.args"] + list(flags), cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour of the launcher")
+@pytest.mark.parametrize("dispatcher,layer", [("mok", "MoKMoELayer"), ("alltoall", "MoELayer")])
+def test_launcher_on_cpu_builds_tiny_model_and_says_training_needs_a_gpu(dispatcher, layer):
+    proc = _launch("@configs/tiny.args", *TRAIN, "--moe-token-dispatcher-type", dispatcher)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "no CUDA GPU on this machine. Arguments parsed and validated" in proc.stdout
+    assert f"2 MoE layers ({layer})" in proc.stdout
+    assert "needs CUDA GPUs, so nothing was trained" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour of the launcher")
+def test_launcher_on_cpu_builds_the_deepseek_proxy_on_the_meta_device():
+    proc = _launch("@configs/proxy_deepseek_v3.args", *TRAIN, "--num-experts", "8",
+                   "--moe-token-dispatcher-type", "mok", "--bf16")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    # 3 decoder layers (1 dense, 2 MoE) + the MTP layer: 3 MoK layers; 2.6 billion parameters,
+    # none of them allocated.
+    assert "3 MoE layers (MoKMoELayer)" in proc.stdout
+    millions = float(proc.stdout.split("meta device: ")[1].split("M parameters")[0])
+    assert millions > 2000
