@@ -50,21 +50,23 @@ def test_c_abi_rejects_bad_arguments_before_any_launch(built_library):
     """These return before any CUDA call, so they run without a GPU."""
     lib = library.MokLibrary(built_library)
     i, i64, v = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fc1 = lib.function("mok_gemm_fc1_swiglu", i, [v, v, v, v, v, v, v, i64, i, i, i, i, i, i, v])
+    fc1 = lib.function("mok_gemm_fc1_swiglu", i, [v, v, v, v, v, v, v, i64, i, i, i, i, i, i, i, v])
     p = ctypes.c_void_p(0x10000)  # never dereferenced: the checks fail first
     # null pointer
-    assert fc1(None, p, p, p, None, p, None, 256, 4, 1024, 512, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    assert fc1(None, p, p, p, None, p, None, 256, 4, 1024, 512, 128, 256, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
     # H not a multiple of 64
-    assert fc1(p, p, p, p, None, p, None, 256, 4, 1000, 512, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    assert fc1(p, p, p, p, None, p, None, 256, 4, 1000, 512, 128, 256, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
     # I not a multiple of the tile's h columns (128 for block_m 128)
-    assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 200, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT
-    # block_m 96 is not built
-    assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 512, 96, 256, 0, None) == MOK_ERR_UNSUPPORTED
+    assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 200, 128, 256, 1, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    # block_m 96, or block_m 128 with wg_n 128, is not built
+    assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 512, 96, 256, 0, 0, None) == MOK_ERR_UNSUPPORTED
+    assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 512, 128, 128, 0, 0, None) == MOK_ERR_UNSUPPORTED
     # too many experts
-    assert fc1(p, p, p, p, None, p, None, 256, 5000, 1024, 512, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT
-    wgrad = lib.function("mok_gemm_weight_grad", i, [v, v, v, v, i, i, i64, i, i, i, i, v])
-    assert wgrad(p, p, p, p, 0, 0, 256, 4, 100, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT  # M % 128
-    assert wgrad(p, p, p, p, 1, 1, 256, 4, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT  # bf16 + accumulate
+    assert fc1(p, p, p, p, None, p, None, 256, 5000, 1024, 512, 128, 256, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    wgrad = lib.function("mok_gemm_weight_grad", i, [v, v, v, v, i, i, i, i64, i, i, i, i, v])
+    assert wgrad(p, p, p, p, 0, 0, 0, 256, 4, 100, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT  # M % 128
+    assert wgrad(p, p, p, p, 1, 1, 0, 256, 4, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT  # bf16 + accumulate
+    assert wgrad(p, p, p, p, 0, 0, 1, 256, 4, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT  # staged fp32
     dgrad = lib.function("mok_gemm_fc2_dgrad_swiglu", i,
                          [v, v, v, v, v, v, v, v, v, v, i64, i, i, i, i, i, v])
     # a router weight without the buffers for its gradient
@@ -92,6 +94,8 @@ def test_python_checks_name_the_bad_value():
         gg.check_fc1_swiglu(x, w1, offsets, counts, None, 32)
     with pytest.raises(gg.GemmArgumentError, match="block_m = 128 must be 64 or 128 and divide tile_rows = 64"):
         gg.check_fc1_swiglu(x, w1, offsets, counts, None, 64, block_m=128)
+    with pytest.raises(gg.GemmArgumentError, match="is not built"):
+        gg.check_fc1_swiglu(x, w1, offsets, counts, None, 128, block_m=128, wg_n=128)
     with pytest.raises(gg.GemmArgumentError, match="router_weight must have one entry per row"):
         gg.check_fc1_swiglu(x, w1, offsets, counts, torch.ones(7), 128)
     with pytest.raises(gg.GemmArgumentError, match="I = 192 must be a multiple of 128"):
@@ -100,7 +104,7 @@ def test_python_checks_name_the_bad_value():
         gg.check_fc2(torch.zeros(512, 256, dtype=torch.bfloat16).t(), w2, offsets, 128)
     with pytest.raises(gg.GemmArgumentError, match="H = 768 must be a multiple of 512"):
         gg.check_fc2(torch.zeros(256, 512, dtype=torch.bfloat16), torch.zeros(4, 768, 512, dtype=torch.bfloat16),
-                     offsets, 64)
+                     offsets, 64, wg_n=256, tma_store=False)
     with pytest.raises(gg.GemmArgumentError, match="gu must be"):
         gg.check_fc2_dgrad_swiglu(x, w2, torch.zeros(256, 512, dtype=torch.bfloat16), offsets, counts, None, 128)
     with pytest.raises(gg.GemmArgumentError, match="I = 256 must be a multiple of 512"):
@@ -110,11 +114,12 @@ def test_python_checks_name_the_bad_value():
         gg.check_weight_grad(x, torch.zeros(256, 320, dtype=torch.bfloat16), offsets)
     with pytest.raises(gg.GemmArgumentError, match="main_grad must be fp32"):
         gg.weight_grad(x, x, offsets, main_grad=torch.zeros(4, 1024, 1024, dtype=torch.bfloat16))
-    # valid arguments pass and pick block_m from the layout
-    assert gg.check_fc1_swiglu(x, w1, offsets, counts, torch.ones(256), 128) == 128
-    assert gg.check_fc1_swiglu(x, w1, offsets, counts, None, 64, wg_n=128) == 64
-    assert gg.check_fc2(torch.zeros(256, 512, dtype=torch.bfloat16), w2, offsets, 128, block_m=64) == 64
-    assert gg.check_fc1_dgrad(torch.zeros(256, 1024, dtype=torch.bfloat16), w1, offsets, 64) == 64
+    # valid arguments pass and pick the variant from the layout
+    assert gg.check_fc1_swiglu(x, w1, offsets, counts, torch.ones(256), 128) == gg.DEFAULTS["fc1"][128]
+    assert gg.check_fc1_swiglu(x, w1, offsets, counts, None, 64, wg_n=128, tma_store=True) == (64, 128, True)
+    assert gg.check_fc2(torch.zeros(256, 512, dtype=torch.bfloat16), w2, offsets, 128, block_m=64)[0] == 64
+    assert gg.check_fc1_dgrad(torch.zeros(256, 1024, dtype=torch.bfloat16), w1, offsets, 64) == \
+        gg.DEFAULTS["fc1_dgrad"][64]
 
 
 def test_fake_impls_give_shapes():
@@ -123,19 +128,19 @@ def test_fake_impls_give_shapes():
     with FakeTensorMode():
         x, w1, w2, offsets, counts = _cpu_args(R=384, L=4, H=1024, I=512)
         rw = torch.ones(384)
-        h, gu = torch.ops.mok.gemm_fc1_swiglu(x, w1, offsets, counts, rw, 128, 256, True, 0)
+        h, gu = torch.ops.mok.gemm_fc1_swiglu(x, w1, offsets, counts, rw, 128, 256, False, True, 0)
         assert h.shape == (384, 512) and gu.shape == (384, 1024) and h.dtype == torch.bfloat16
-        h2, gu2 = torch.ops.mok.gemm_fc1_swiglu(x, w1, offsets, counts, None, 128, 256, False, 0)
+        h2, gu2 = torch.ops.mok.gemm_fc1_swiglu(x, w1, offsets, counts, None, 128, 256, True, False, 0)
         assert gu2.shape == (0, 1024)
-        y = torch.ops.mok.gemm_fc2(h, w2, offsets, 128, 256, 0)
+        y = torch.ops.mok.gemm_fc2(h, w2, offsets, 128, 256, True, 0)
         assert y.shape == (384, 1024)
         dgu, dw, hh = torch.ops.mok.gemm_fc2_dgrad_swiglu(y, w2, gu, offsets, counts, rw, 128, True, 0)
         assert dgu.shape == (384, 1024) and dw.shape == (384,) and dw.dtype == torch.float32 and hh.shape == (384, 512)
-        dx = torch.ops.mok.gemm_fc1_dgrad(dgu, w1, offsets, 128, 0)
+        dx = torch.ops.mok.gemm_fc1_dgrad(dgu, w1, offsets, 128, 256, False, 0)
         assert dx.shape == (384, 1024)
-        d1 = torch.ops.mok.gemm_weight_grad(dgu, x, offsets, torch.float32, 0)
+        d1 = torch.ops.mok.gemm_weight_grad(dgu, x, offsets, torch.float32, False, 0)
         assert d1.shape == (4, 1024, 1024) and d1.dtype == torch.float32
-        d2 = torch.ops.mok.gemm_weight_grad(y, h, offsets, torch.bfloat16, 0)
+        d2 = torch.ops.mok.gemm_weight_grad(y, h, offsets, torch.bfloat16, True, 0)
         assert d2.shape == (4, 1024, 512) and d2.dtype == torch.bfloat16
 
 
@@ -247,33 +252,47 @@ def ref_swiglu_bwd(lay, dh, gu, rw):
 
 
 SMALL = [0, 1, 130, 700, 63, 0, 2500, 64]  # empty, one row, not tile multiples, a hot expert
-FWD_CONFIGS = [(128, 128, 256), (128, 64, 256), (64, 64, 256), (64, 64, 128)]  # (tile, block_m, wg_n)
+
+
+def _configs(kernel):
+    """(tile_rows, block_m, wg_n, tma_store) of every built variant on every layout it takes."""
+    return [(tile, bm, wn, tma) for tile in (128, 64) for (bm, wn, tma) in sorted(gg.VARIANTS[kernel])
+            if tile % bm == 0]
+
+
+def _id(c):
+    return f"t{c[0]}-m{c[1]}n{c[2]}" + ("-tma" if c[3] else "")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile,block_m,wg_n", FWD_CONFIGS)
+@pytest.mark.parametrize("cfg", _configs("fc1"), ids=_id)
 @pytest.mark.parametrize("weighted", [False, True])
-def test_fc1_swiglu(tile, block_m, wg_n, weighted):
+def test_fc1_swiglu(cfg, weighted):
+    tile, block_m, wg_n, tma = cfg
     seed = _seed()
     lay = Layout(SMALL, tile)
     H, I = 1024, 512
     x, w1, _, rw = _inputs(lay, H, I)
     rw = rw if weighted else None
     h_ref, gu_ref = ref_fc1(lay, x, w1, rw)
-    for num_ctas in (0, 3):  # one CTA per SM, and few CTAs walking many tiles each
+    for num_ctas, keep_gu in ((0, True), (3, True), (0, False)):  # few CTAs: many tiles each
         h, gu = _poisoned(lay.R, I), _poisoned(lay.R, 2 * I)
-        gg.launch_fc1_swiglu(x, w1, lay.offsets_d, lay.counts_d, rw, h, gu, block_m=block_m, wg_n=wg_n,
-                             num_ctas=num_ctas)
+        gg.launch_fc1_swiglu(x, w1, lay.offsets_d, lay.counts_d, rw, h, gu if keep_gu else None,
+                             block_m=block_m, wg_n=wg_n, tma_store=tma, num_ctas=num_ctas)
         torch.cuda.synchronize()
         _check(f"h (ctas={num_ctas})", h, h_ref, lay, seed)
-        _check(f"gu (ctas={num_ctas})", gu, gu_ref, lay, seed)
+        if keep_gu:
+            _check(f"gu (ctas={num_ctas})", gu, gu_ref, lay, seed)
+        else:
+            assert torch.isnan(gu).all(), "gu was written though not asked for"
         pad = ~lay.real_mask()[:lay.R_pad]
         assert (h[:lay.R_pad][pad] == 0).all(), f"padding rows of h must be 0 (seed {seed})"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile,block_m,wg_n", FWD_CONFIGS)
-def test_fc2(tile, block_m, wg_n):
+@pytest.mark.parametrize("cfg", _configs("fc2"), ids=_id)
+def test_fc2(cfg):
+    tile, block_m, wg_n, tma = cfg
     seed = _seed()
     lay = Layout(SMALL, tile)
     H, I = 1024, 512
@@ -282,15 +301,16 @@ def test_fc2(tile, block_m, wg_n):
     ref = ref_rowwise(lay, h, lambda l: w2[l].t())
     for num_ctas in (0, 5):
         y = _poisoned(lay.R, H)
-        gg.launch_fc2(h, w2, lay.offsets_d, y, block_m=block_m, wg_n=wg_n, num_ctas=num_ctas)
+        gg.launch_fc2(h, w2, lay.offsets_d, y, block_m=block_m, wg_n=wg_n, tma_store=tma, num_ctas=num_ctas)
         torch.cuda.synchronize()
         _check(f"y (ctas={num_ctas})", y, ref, lay, seed)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile,block_m", [(128, 128), (128, 64), (64, 64)])
+@pytest.mark.parametrize("cfg", _configs("fc2_dgrad"), ids=_id)
 @pytest.mark.parametrize("weighted", [False, True])
-def test_fc2_dgrad_swiglu(tile, block_m, weighted):
+def test_fc2_dgrad_swiglu(cfg, weighted):
+    tile, block_m = cfg[:2]
     seed = _seed()
     lay = Layout(SMALL, tile)
     H, I = 1024, 512
@@ -314,8 +334,9 @@ def test_fc2_dgrad_swiglu(tile, block_m, weighted):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile,block_m", [(128, 128), (128, 64), (64, 64)])
-def test_fc1_dgrad(tile, block_m):
+@pytest.mark.parametrize("cfg", _configs("fc1_dgrad"), ids=_id)
+def test_fc1_dgrad(cfg):
+    tile, block_m, wg_n, tma = cfg
     seed = _seed()
     lay = Layout(SMALL, tile)
     H, I = 1024, 512
@@ -324,7 +345,8 @@ def test_fc1_dgrad(tile, block_m):
     ref = ref_rowwise(lay, dgu, lambda l: w1[l])
     for num_ctas in (0, 7):
         dx = _poisoned(lay.R, H)
-        gg.launch_fc1_dgrad(dgu, w1, lay.offsets_d, dx, block_m=block_m, num_ctas=num_ctas)
+        gg.launch_fc1_dgrad(dgu, w1, lay.offsets_d, dx, block_m=block_m, wg_n=wg_n, tma_store=tma,
+                            num_ctas=num_ctas)
         torch.cuda.synchronize()
         _check(f"dx (ctas={num_ctas})", dx, ref, lay, seed)
 
@@ -338,7 +360,7 @@ def _ref_wgrad(lay, a, b):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", [128, 64])
-@pytest.mark.parametrize("mode", ["fp32", "bf16", "accumulate"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-tma", "accumulate"])
 def test_weight_grad(tile, mode):
     seed = _seed()
     lay = Layout(SMALL, tile)
@@ -354,7 +376,7 @@ def test_weight_grad(tile, mode):
             expect = ref + base.double()
         else:
             out = _poisoned(lay.L, M, N, dtype=torch.float32 if mode == "fp32" else torch.bfloat16)
-            gg.launch_weight_grad(a, b, lay.offsets_d, out, num_ctas=num_ctas)
+            gg.launch_weight_grad(a, b, lay.offsets_d, out, tma_store=mode == "bf16-tma", num_ctas=num_ctas)
             expect = ref
         torch.cuda.synchronize()
         assert not torch.isnan(out).any(), f"unwritten weight-gradient elements (seed {seed})"

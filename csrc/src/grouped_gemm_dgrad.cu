@@ -2,6 +2,8 @@
 // gradient), and fc1's.
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "mok/cuda_check.cuh"
 #include "mok/gemm/host.cuh"
 #include "mok/grouped_gemm.h"
@@ -39,20 +41,26 @@ int fc2_dgrad_swiglu(const void* dy, const void* w2, const void* gu, const int32
   return sum_partials(scratch, I / kWgn, offsets, L, rows_cap, dscale, stream);
 }
 
-template <int BM>
+template <int BM, int WGN, bool kTma>
 int fc1_dgrad(const void* dgu, const void* w1, const int32_t* offsets, void* dx, int64_t rows_cap,
               int L, int H, int I, int num_ctas, cudaStream_t stream) {
-  using Cfg = RowCfg<BM, kWgn, BLayout::kMNMajor>;
+  using Cfg = RowCfg<BM, WGN, BLayout::kMNMajor, kTma>;
+  using Epi = std::conditional_t<kTma, TmaStoreEpilogue, StoreEpilogue>;
   MOK_REQUIRE((2 * I) % kBK == 0 && H % Cfg::BN == 0);
   if (rows_cap < BM) return MOK_OK;  // no full row block: the layout is empty
-  RowKernelParams<StoreEpilogue> p{};
+  RowKernelParams<Epi> p{};
   int rc = encode_map_2d(&p.op.map_a, dgu, 2 * (uint64_t)I, rows_cap, kBK, BM);
   if (rc != MOK_OK) return rc;
   rc = encode_map_2d(&p.op.map_b, w1, H, (uint64_t)L * 2 * I, kBK, 64);
   if (rc != MOK_OK) return rc;
   p.op.K = 2 * I;
   p.op.N = H;
-  p.epi = {static_cast<__nv_bfloat16*>(dx), H, rows_cap};
+  if constexpr (kTma) {
+    rc = encode_map_2d(&p.epi.map, dx, H, rows_cap, 64, 64);
+    if (rc != MOK_OK) return rc;
+  } else {
+    p.epi = {static_cast<__nv_bfloat16*>(dx), H, rows_cap};
+  }
   p.offsets = offsets;
   p.counts = nullptr;
   p.L = L;
@@ -89,12 +97,18 @@ MOK_API int mok_gemm_fc2_dgrad_swiglu(const void* dy, const void* fc2_weight, co
 
 MOK_API int mok_gemm_fc1_dgrad(const void* dgu, const void* fc1_weight, const int32_t* offsets,
                                void* dx, int64_t rows_cap, int L, int H, int I, int block_m,
-                               int num_ctas, cudaStream_t stream) {
+                               int wg_n, int tma_store, int num_ctas, cudaStream_t stream) {
   MOK_REQUIRE(dgu && fc1_weight && offsets && dx && common_ok(rows_cap, L, H, I) && aligned16(dx));
   if (rows_cap == 0) return MOK_OK;
-  if (block_m == 128)
-    return fc1_dgrad<128>(dgu, fc1_weight, offsets, dx, rows_cap, L, H, I, num_ctas, stream);
-  if (block_m == 64)
-    return fc1_dgrad<64>(dgu, fc1_weight, offsets, dx, rows_cap, L, H, I, num_ctas, stream);
+  if (wg_n == 0) wg_n = 256;
+#define MOK_FC1_DGRAD(BM, WGN, TMA)                                                              \
+  if (block_m == BM && wg_n == WGN && (tma_store != 0) == TMA)                                  \
+    return fc1_dgrad<BM, WGN, TMA>(dgu, fc1_weight, offsets, dx, rows_cap, L, H, I, num_ctas,   \
+                                   stream);
+  MOK_FC1_DGRAD(128, 256, false)
+  MOK_FC1_DGRAD(64, 256, false)
+  MOK_FC1_DGRAD(128, 256, true)
+  MOK_FC1_DGRAD(64, 128, true)
+#undef MOK_FC1_DGRAD
   return MOK_ERR_UNSUPPORTED;
 }

@@ -90,9 +90,15 @@ def time_ms(fn: Callable[[], object], budget_s: float = 0.08, max_iters: int = 1
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+def rel_err(out: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 26) -> float:
+    """||out - ref|| / ||ref||, in float32 chunks of the flattened tensors (bounded memory)."""
+    o, r = out.reshape(-1), ref.reshape(-1)
+    num = den = 0.0
+    for i in range(0, o.numel(), chunk):
+        a, b = o[i:i + chunk].float(), r[i:i + chunk].float()
+        num += float((a - b).pow(2).sum())
+        den += float(b.pow(2).sum())
+    return math.sqrt(num) / max(math.sqrt(den), 1e-30)
 
 
 @dataclass
@@ -176,12 +182,13 @@ class Case:
         self.scratch = torch.empty(max(1, gg.dgrad_scratch_floats(R, I)), dtype=torch.float32, device=dev)
 
 
-def fwd_variants(tile: int):
-    return [(128, 256), (64, 256), (64, 128)] if tile == 128 else [(64, 256), (64, 128)]
+def variants(kernel: str, tile: int):
+    """The built (block_m, wg_n, tma_store) variants of ``kernel`` that take a ``tile`` layout."""
+    return [v for v in sorted(gg.VARIANTS[kernel]) if tile % v[0] == 0]
 
 
-def bwd_variants(tile: int):
-    return [128, 64] if tile == 128 else [64]
+def vname(v) -> str:
+    return f"m{v[0]}n{v[1]}" + ("t" if v[2] else "")
 
 
 def run_case(c: Case, label: dict, sw, rows_out: List[Row], wgrad_fp32: bool) -> None:
@@ -210,12 +217,12 @@ def run_case(c: Case, label: dict, sw, rows_out: List[Row], wgrad_fp32: bool) ->
         sep = lambda: (lambda a: F.silu(a[:, :I]) * a[:, I:] * c.rw[:, None])(  # noqa: E731
             torch._grouped_mm(c.x, c.w1.transpose(1, 2), offs=c.ends))
     ours, err = {}, 0.0
-    for bm, wgn in fwd_variants(c.tile):
+    for v in variants("fc1", c.tile):
         f = lambda: gg.launch_fc1_swiglu(c.x, c.w1, c.offsets, c.counts_d, c.rw, c.h, c.gu,  # noqa: E731
-                                         block_m=bm, wg_n=wgn)
+                                         block_m=v[0], wg_n=v[1], tma_store=v[2])
         f()
         err = max(err, rel_err(c.h * real, h_t * real), rel_err(c.gu * real, gu_t * real))
-        ours[f"m{bm}n{wgn}"] = time_ms(f)
+        ours[vname(v)] = time_ms(f)
     t_mm = time_ms(lambda: torch._grouped_mm(c.x, c.w1.transpose(1, 2), offs=c.ends))
     add("fc1+swiglu", 2 * R_real * 2 * I * H, c.R * H * 2 + w_bytes1 + c.R * 3 * I * 2, ours, t_mm,
         time_ms(sep), err)
@@ -224,11 +231,11 @@ def run_case(c: Case, label: dict, sw, rows_out: List[Row], wgrad_fp32: bool) ->
     # ---- fc2
     y_t = torch._grouped_mm(c.h, c.w2.transpose(1, 2), offs=c.ends)
     ours, err = {}, 0.0
-    for bm, wgn in fwd_variants(c.tile):
-        f = lambda: gg.launch_fc2(c.h, c.w2, c.offsets, c.y, block_m=bm, wg_n=wgn)  # noqa: E731
+    for v in variants("fc2", c.tile):
+        f = lambda: gg.launch_fc2(c.h, c.w2, c.offsets, c.y, block_m=v[0], wg_n=v[1], tma_store=v[2])  # noqa: E731
         f()
         err = max(err, rel_err(c.y * real, y_t * real))
-        ours[f"m{bm}n{wgn}"] = time_ms(f)
+        ours[vname(v)] = time_ms(f)
     add("fc2", 2 * R_real * H * I, c.R * I * 2 + w_bytes2 + c.R * H * 2, ours,
         time_ms(lambda: torch._grouped_mm(c.h, c.w2.transpose(1, 2), offs=c.ends)), None, err)
     del y_t
@@ -241,13 +248,13 @@ def run_case(c: Case, label: dict, sw, rows_out: List[Row], wgrad_fp32: bool) ->
     else:
         dgu_t, dw_t, sep = None, None, None
     ours, err = {}, 0.0
-    for bm in bwd_variants(c.tile):
+    for v in variants("fc2_dgrad", c.tile):
         f = lambda: gg.launch_fc2_dgrad_swiglu(c.dy, c.w2, c.gu, c.offsets, c.counts_d, c.rw, c.dgu, c.h2,  # noqa: E731
-                                               c.dw, c.scratch, block_m=bm)
+                                               c.dw, c.scratch, block_m=v[0])
         f()
         if dgu_t is not None:
             err = max(err, rel_err(c.dgu * real, dgu_t * real), rel_err(c.dw * c.real, dw_t * c.real))
-        ours[f"m{bm}n256"] = time_ms(f)
+        ours[vname(v)] = time_ms(f)
     add("fc2dgrad+swiglu", 2 * R_real * H * I, c.R * (H + 2 * I) * 2 + w_bytes2 + c.R * 3 * I * 2, ours,
         time_ms(lambda: torch._grouped_mm(c.dy, c.w2, offs=c.ends)), time_ms(sep) if sep else None, err)
     del g_t, dgu_t, dw_t
@@ -255,11 +262,11 @@ def run_case(c: Case, label: dict, sw, rows_out: List[Row], wgrad_fp32: bool) ->
     # ---- fc1 dgrad
     dx_t = torch._grouped_mm(c.dgu, c.w1, offs=c.ends)
     ours, err = {}, 0.0
-    for bm in bwd_variants(c.tile):
-        f = lambda: gg.launch_fc1_dgrad(c.dgu, c.w1, c.offsets, c.dx, block_m=bm)  # noqa: E731
+    for v in variants("fc1_dgrad", c.tile):
+        f = lambda: gg.launch_fc1_dgrad(c.dgu, c.w1, c.offsets, c.dx, block_m=v[0], wg_n=v[1], tma_store=v[2])  # noqa: E731
         f()
         err = max(err, rel_err(c.dx * real, dx_t * real))
-        ours[f"m{bm}n256"] = time_ms(f)
+        ours[vname(v)] = time_ms(f)
     add("fc1dgrad", 2 * R_real * 2 * I * H, c.R * 2 * I * 2 + w_bytes1 + c.R * H * 2, ours,
         time_ms(lambda: torch._grouped_mm(c.dgu, c.w1, offs=c.ends)), None, err)
     del dx_t
@@ -269,11 +276,13 @@ def run_case(c: Case, label: dict, sw, rows_out: List[Row], wgrad_fp32: bool) ->
         M, N = a.shape[1], b.shape[1]
         t_out = torch._grouped_mm(a.t(), b, offs=c.ends)
         out = torch.empty(L, M, N, dtype=torch.bfloat16, device=a.device)
-        f = lambda: gg.launch_weight_grad(a, b, c.offsets, out)  # noqa: E731
-        f()
-        err = rel_err(out, t_out)
+        ours, err = {}, 0.0
+        for tma in (False, True):
+            f = lambda: gg.launch_weight_grad(a, b, c.offsets, out, tma_store=tma)  # noqa: E731
+            f()
+            err = max(err, rel_err(out, t_out))
+            ours["m128n256" + ("t" if tma else "")] = time_ms(f)
         del t_out
-        ours = {"m128n256": time_ms(f)}
         t_ms = time_ms(lambda: torch._grouped_mm(a.t(), b, offs=c.ends))
         add(name, 2 * R_real * M * N, c.R * (M + N) * 2 + L * M * N * 2, ours, t_ms, None, err)
         del out

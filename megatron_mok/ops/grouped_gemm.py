@@ -32,6 +32,24 @@ MAX_EXPERTS = 1024
 """Local experts one launch takes (per-CTA tables in shared memory)."""
 
 
+# Built kernel variants (block_m, wg_n, tma_store) per GEMM, and the default per layout padding
+# (tile_rows), chosen from the benchmark (docs/perf-notes.md).
+VARIANTS = {
+    "fc1": {(128, 256, False), (64, 256, False), (64, 128, False), (128, 256, True), (64, 128, True)},
+    "fc2": {(128, 256, False), (64, 256, False), (64, 128, False), (128, 256, True), (64, 128, True)},
+    "fc2_dgrad": {(128, 256, False), (64, 256, False)},
+    "fc1_dgrad": {(128, 256, False), (64, 256, False), (128, 256, True), (64, 128, True)},
+}
+DEFAULTS = {
+    "fc1": {128: (128, 256, False), 64: (64, 256, False)},
+    "fc2": {128: (128, 256, True), 64: (64, 128, True)},
+    "fc2_dgrad": {128: (128, 256, False), 64: (64, 256, False)},
+    "fc1_dgrad": {128: (128, 256, False), 64: (64, 256, False)},
+}
+WGRAD_TMA_STORE = True
+"""Default epilogue of the bf16 weight gradients (the fp32 ones always store directly)."""
+
+
 class GemmArgumentError(ValueError):
     """An argument of a grouped GEMM is outside what the kernels take; the message says which."""
 
@@ -40,16 +58,16 @@ def _lib():
     lib = load_library()
     return lib, {
         "fc1": lib.function("mok_gemm_fc1_swiglu", _i,
-                            [_v, _v, _v, _v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _v]),
-        "fc2": lib.function("mok_gemm_fc2", _i, [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _v]),
+                            [_v, _v, _v, _v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _v]),
+        "fc2": lib.function("mok_gemm_fc2", _i, [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _v]),
         "scratch": lib.function("mok_gemm_fc2_dgrad_scratch_floats", _i64, [_i64, _i]),
         "fc2_dgrad": lib.function("mok_gemm_fc2_dgrad_swiglu", _i,
                                   [_v, _v, _v, _v, _v, _v, _v, _v, _v, _v, _i64, _i, _i, _i, _i, _i,
                                    _v]),
         "fc1_dgrad": lib.function("mok_gemm_fc1_dgrad", _i,
-                                  [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _v]),
+                                  [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _v]),
         "wgrad": lib.function("mok_gemm_weight_grad", _i,
-                              [_v, _v, _v, _v, _i, _i, _i64, _i, _i, _i, _i, _v]),
+                              [_v, _v, _v, _v, _i, _i, _i, _i64, _i, _i, _i, _i, _v]),
     }
 
 
@@ -86,13 +104,25 @@ def _check_layout(offsets: torch.Tensor, counts: Optional[torch.Tensor], L: int,
         _fail(f"L = {L} local experts is outside [1, {MAX_EXPERTS}]")
 
 
-def _block_m(tile_rows: int, block_m: Optional[int]) -> int:
+def variant(kernel: str, tile_rows: int, block_m: Optional[int] = None, wg_n: Optional[int] = None,
+            tma_store: Optional[bool] = None) -> Tuple[int, int, bool]:
+    """The (block_m, wg_n, tma_store) to launch ``kernel`` with on a layout padded to
+    ``tile_rows``: the defaults of :data:`DEFAULTS`, overridden by the arguments not None."""
     if tile_rows not in (64, 128):
         _fail(f"tile_rows = {tile_rows}: the grouped GEMMs take layouts padded to 64 or 128 rows")
-    bm = tile_rows if block_m is None else block_m
+    bm, wn, tma = DEFAULTS[kernel][tile_rows]
+    if block_m is not None and block_m != bm:
+        bm = block_m
+        if (bm, wn, tma) not in VARIANTS[kernel]:
+            wn, tma = 256, False
+    wn = wn if wg_n is None else wg_n
+    tma = tma if tma_store is None else bool(tma_store)
     if bm not in (64, 128) or tile_rows % bm:
         _fail(f"block_m = {bm} must be 64 or 128 and divide tile_rows = {tile_rows}")
-    return bm
+    if (bm, wn, tma) not in VARIANTS[kernel]:
+        _fail(f"{kernel}: (block_m, wg_n, tma_store) = {(bm, wn, tma)} is not built; built: "
+              f"{sorted(VARIANTS[kernel])}")
+    return bm, wn, tma
 
 
 def _check_multiple(what: str, value: int, mult: int, why: str) -> None:
@@ -107,9 +137,9 @@ def _router_weight(rw: Optional[torch.Tensor], R: int, device) -> None:
             _fail(f"router_weight must have one entry per row (R = {R}), got {rw.numel()}")
 
 
-def check_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, tile_rows, block_m=None,
-                     wg_n=256) -> int:
-    """Validate :func:`fc1_swiglu`'s arguments; returns the block_m to launch with."""
+def check_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, tile_rows, block_m=None, wg_n=None,
+                     tma_store=None) -> Tuple[int, int, bool]:
+    """Validate :func:`fc1_swiglu`'s arguments; returns the (block_m, wg_n, tma_store) to launch."""
     _check_matrix("x", x, torch.bfloat16, 2, None)
     _check_matrix("fc1_weight", fc1_weight, torch.bfloat16, 3, x.device)
     R, H = x.shape
@@ -118,16 +148,14 @@ def check_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, tile_rows, b
         _fail(f"fc1_weight must be [L, 2I, H={H}], got {tuple(fc1_weight.shape)}")
     _check_layout(offsets, counts, L, x.device)
     _router_weight(router_weight, R, x.device)
-    bm = _block_m(tile_rows, block_m)
-    if wg_n not in (128, 256) or (wg_n == 128 and bm != 64):
-        _fail(f"wg_n = {wg_n}: 256, or 128 with block_m 64")
+    v = bm, wn, _ = variant("fc1", tile_rows, block_m, wg_n, tma_store)
     _check_multiple("H", H, 64, "the K step of the kernels")
-    _check_multiple("I", two_i // 2, wg_n * 64 // bm, f"h columns of a {bm}-row tile")
-    return bm
+    _check_multiple("I", two_i // 2, wn * 64 // bm, f"h columns of a {bm}-row tile")
+    return v
 
 
-def check_fc2(h, fc2_weight, offsets, tile_rows, block_m=None, wg_n=256) -> int:
-    """Validate :func:`fc2`'s arguments; returns the block_m to launch with."""
+def check_fc2(h, fc2_weight, offsets, tile_rows, block_m=None, wg_n=None, tma_store=None) -> Tuple[int, int, bool]:
+    """Validate :func:`fc2`'s arguments; returns the (block_m, wg_n, tma_store) to launch."""
     _check_matrix("h", h, torch.bfloat16, 2, None)
     _check_matrix("fc2_weight", fc2_weight, torch.bfloat16, 3, h.device)
     R, I = h.shape
@@ -135,12 +163,10 @@ def check_fc2(h, fc2_weight, offsets, tile_rows, block_m=None, wg_n=256) -> int:
     if I1 != I:
         _fail(f"fc2_weight must be [L, H, I={I}], got {tuple(fc2_weight.shape)}")
     _check_layout(offsets, None, L, h.device)
-    bm = _block_m(tile_rows, block_m)
-    if wg_n not in (128, 256) or (wg_n == 128 and bm != 64):
-        _fail(f"wg_n = {wg_n}: 256, or 128 with block_m 64")
+    v = bm, wn, _ = variant("fc2", tile_rows, block_m, wg_n, tma_store)
     _check_multiple("I", I, 64, "the K step of the kernels")
-    _check_multiple("H", H, wg_n * 128 // bm, f"columns of a {bm}-row tile")
-    return bm
+    _check_multiple("H", H, wn * 128 // bm, f"columns of a {bm}-row tile")
+    return v
 
 
 def check_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, tile_rows,
@@ -157,14 +183,15 @@ def check_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, t
         _fail(f"gu must be [R={R}, 2I={2 * I}], got {tuple(gu.shape)}")
     _check_layout(offsets, counts, L, dy.device)
     _router_weight(router_weight, R, dy.device)
-    bm = _block_m(tile_rows, block_m)
+    bm, _, _ = variant("fc2_dgrad", tile_rows, block_m)
     _check_multiple("H", H, 64, "the K step of the kernels")
     _check_multiple("I", I, 256 * 128 // bm, f"columns of a {bm}-row tile")
     return bm
 
 
-def check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m=None) -> int:
-    """Validate :func:`fc1_dgrad`'s arguments; returns the block_m to launch with."""
+def check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m=None, wg_n=None,
+                    tma_store=None) -> Tuple[int, int, bool]:
+    """Validate :func:`fc1_dgrad`'s arguments; returns the (block_m, wg_n, tma_store) to launch."""
     _check_matrix("dgu", dgu, torch.bfloat16, 2, None)
     _check_matrix("fc1_weight", fc1_weight, torch.bfloat16, 3, dgu.device)
     R, two_i = dgu.shape
@@ -172,10 +199,10 @@ def check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m=None) -> int:
     if two_i1 != two_i:
         _fail(f"fc1_weight must be [L, 2I={two_i}, H], got {tuple(fc1_weight.shape)}")
     _check_layout(offsets, None, L, dgu.device)
-    bm = _block_m(tile_rows, block_m)
+    v = bm, wn, _ = variant("fc1_dgrad", tile_rows, block_m, wg_n, tma_store)
     _check_multiple("2I", two_i, 64, "the K step of the kernels")
-    _check_multiple("H", H, 256 * 128 // bm, f"columns of a {bm}-row tile")
-    return bm
+    _check_multiple("H", H, wn * 128 // bm, f"columns of a {bm}-row tile")
+    return v
 
 
 def check_weight_grad(a, b, offsets, out=None) -> None:
@@ -200,23 +227,24 @@ def check_weight_grad(a, b, offsets, out=None) -> None:
 # ---- launchers (write into given outputs) ----------------------------------------------------
 
 def launch_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, h, gu, *, block_m: int,
-                      wg_n: int = 256, num_ctas: int = 0) -> None:
+                      wg_n: int = 256, tma_store: bool = False, num_ctas: int = 0) -> None:
     """Run fc1 + SwiGLU into ``h`` (bf16 [R, I]) and, if not None, ``gu`` (bf16 [R, 2I])."""
     lib, fns = _lib()
     R, H = x.shape
     L, two_i, _ = fc1_weight.shape
     code = fns["fc1"](ptr(x), ptr(fc1_weight), ptr(offsets), ptr(counts), ptr(router_weight), ptr(h),
-                      ptr(gu), R, L, H, two_i // 2, block_m, wg_n, num_ctas, stream_of(x))
+                      ptr(gu), R, L, H, two_i // 2, block_m, wg_n, int(tma_store), num_ctas, stream_of(x))
     lib.check(code, "mok_gemm_fc1_swiglu")
 
 
-def launch_fc2(h, fc2_weight, offsets, y, *, block_m: int, wg_n: int = 256, num_ctas: int = 0) -> None:
+def launch_fc2(h, fc2_weight, offsets, y, *, block_m: int, wg_n: int = 256, tma_store: bool = False,
+               num_ctas: int = 0) -> None:
     """Run fc2 into ``y`` (bf16 [R, H])."""
     lib, fns = _lib()
     R, I = h.shape
     L, H, _ = fc2_weight.shape
-    code = fns["fc2"](ptr(h), ptr(fc2_weight), ptr(offsets), ptr(y), R, L, H, I, block_m, wg_n, num_ctas,
-                      stream_of(h))
+    code = fns["fc2"](ptr(h), ptr(fc2_weight), ptr(offsets), ptr(y), R, L, H, I, block_m, wg_n, int(tma_store),
+                      num_ctas, stream_of(h))
     lib.check(code, "mok_gemm_fc2")
 
 
@@ -240,18 +268,21 @@ def launch_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, 
     lib.check(code, "mok_gemm_fc2_dgrad_swiglu")
 
 
-def launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, *, block_m: int, num_ctas: int = 0) -> None:
+def launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, *, block_m: int, wg_n: int = 256, tma_store: bool = False,
+                     num_ctas: int = 0) -> None:
     """Run the fc1 data gradient into ``dx`` (bf16 [R, H])."""
     lib, fns = _lib()
     R, two_i = dgu.shape
     L, _, H = fc1_weight.shape
     code = fns["fc1_dgrad"](ptr(dgu), ptr(fc1_weight), ptr(offsets), ptr(dx), R, L, H, two_i // 2, block_m,
-                            num_ctas, stream_of(dgu))
+                            wg_n, int(tma_store), num_ctas, stream_of(dgu))
     lib.check(code, "mok_gemm_fc1_dgrad")
 
 
-def launch_weight_grad(a, b, offsets, out, *, accumulate: bool = False, num_ctas: int = 0) -> None:
-    """out[e] (+)= a_e^T b_e over expert e's rows; ``out`` fp32 or bf16 [L, M, N]."""
+def launch_weight_grad(a, b, offsets, out, *, accumulate: bool = False, tma_store: Optional[bool] = None,
+                       num_ctas: int = 0) -> None:
+    """out[e] (+)= a_e^T b_e over expert e's rows; ``out`` fp32 or bf16 [L, M, N].
+    ``tma_store`` (bf16 out only) defaults to True for bf16."""
     lib, fns = _lib()
     R, M = a.shape
     N = b.shape[1]
@@ -259,8 +290,9 @@ def launch_weight_grad(a, b, offsets, out, *, accumulate: bool = False, num_ctas
     out_bf16 = out.dtype == torch.bfloat16
     if out_bf16 and accumulate:
         _fail("accumulating weight gradients needs an fp32 output (main_grad)")
-    code = fns["wgrad"](ptr(a), ptr(b), ptr(offsets), ptr(out), int(out_bf16), int(accumulate), R, L, M, N,
-                        num_ctas, stream_of(a))
+    tma = out_bf16 if tma_store is None else bool(tma_store)
+    code = fns["wgrad"](ptr(a), ptr(b), ptr(offsets), ptr(out), int(out_bf16), int(accumulate), int(tma), R, L,
+                        M, N, num_ctas, stream_of(a))
     lib.check(code, "mok_gemm_weight_grad")
 
 
@@ -269,7 +301,8 @@ def launch_weight_grad(a, b, offsets, out, *, accumulate: bool = False, num_ctas
 @torch.library.custom_op("mok::gemm_fc1_swiglu", mutates_args=())
 def gemm_fc1_swiglu_op(x: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor,
                        counts: torch.Tensor, router_weight: Optional[torch.Tensor], block_m: int,
-                       wg_n: int, save_preact: bool, num_ctas: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                       wg_n: int, tma_store: bool, save_preact: bool,
+                       num_ctas: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """h = silu(x G^T) * (x U^T) [* router_weight] per expert; see :func:`fc1_swiglu`.
 
     Returns h bf16 [R, I] and gu bf16 [R, 2I] (the pre-activation; [0, 2I] unless save_preact).
@@ -279,27 +312,27 @@ def gemm_fc1_swiglu_op(x: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch
     h = x.new_empty((R, two_i // 2))
     gu = x.new_empty((R if save_preact else 0, two_i))
     launch_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, h, gu if save_preact else None,
-                      block_m=block_m, wg_n=wg_n, num_ctas=num_ctas)
+                      block_m=block_m, wg_n=wg_n, tma_store=tma_store, num_ctas=num_ctas)
     return h, gu
 
 
 @gemm_fc1_swiglu_op.register_fake
-def _(x, fc1_weight, offsets, counts, router_weight, block_m, wg_n, save_preact, num_ctas):
+def _(x, fc1_weight, offsets, counts, router_weight, block_m, wg_n, tma_store, save_preact, num_ctas):
     R, two_i = x.shape[0], fc1_weight.shape[1]
     return x.new_empty((R, two_i // 2)), x.new_empty((R if save_preact else 0, two_i))
 
 
 @torch.library.custom_op("mok::gemm_fc2", mutates_args=())
 def gemm_fc2_op(h: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, block_m: int, wg_n: int,
-                num_ctas: int) -> torch.Tensor:
+                tma_store: bool, num_ctas: int) -> torch.Tensor:
     """y = h D^T per expert (bf16 [R, H]); see :func:`fc2`."""
     y = h.new_empty((h.shape[0], fc2_weight.shape[1]))
-    launch_fc2(h, fc2_weight, offsets, y, block_m=block_m, wg_n=wg_n, num_ctas=num_ctas)
+    launch_fc2(h, fc2_weight, offsets, y, block_m=block_m, wg_n=wg_n, tma_store=tma_store, num_ctas=num_ctas)
     return y
 
 
 @gemm_fc2_op.register_fake
-def _(h, fc2_weight, offsets, block_m, wg_n, num_ctas):
+def _(h, fc2_weight, offsets, block_m, wg_n, tma_store, num_ctas):
     return h.new_empty((h.shape[0], fc2_weight.shape[1]))
 
 
@@ -334,29 +367,31 @@ def _(dy, fc2_weight, gu, offsets, counts, router_weight, block_m, want_h, num_c
 
 @torch.library.custom_op("mok::gemm_fc1_dgrad", mutates_args=())
 def gemm_fc1_dgrad_op(dgu: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, block_m: int,
-                      num_ctas: int) -> torch.Tensor:
+                      wg_n: int, tma_store: bool, num_ctas: int) -> torch.Tensor:
     """dx = dgu W1 per expert (bf16 [R, H]); see :func:`fc1_dgrad`."""
     dx = dgu.new_empty((dgu.shape[0], fc1_weight.shape[2]))
-    launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, block_m=block_m, num_ctas=num_ctas)
+    launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, block_m=block_m, wg_n=wg_n, tma_store=tma_store,
+                     num_ctas=num_ctas)
     return dx
 
 
 @gemm_fc1_dgrad_op.register_fake
-def _(dgu, fc1_weight, offsets, block_m, num_ctas):
+def _(dgu, fc1_weight, offsets, block_m, wg_n, tma_store, num_ctas):
     return dgu.new_empty((dgu.shape[0], fc1_weight.shape[2]))
 
 
 @torch.library.custom_op("mok::gemm_weight_grad", mutates_args=())
 def gemm_weight_grad_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
-                        num_ctas: int) -> torch.Tensor:
+                        tma_store: bool, num_ctas: int) -> torch.Tensor:
     """out[e] = a_e^T b_e per expert ([L, M, N] in ``out_dtype``, fp32 or bf16)."""
     out = a.new_empty((offsets.shape[0] - 1, a.shape[1], b.shape[1]), dtype=out_dtype)
-    launch_weight_grad(a, b, offsets, out, accumulate=False, num_ctas=num_ctas)
+    launch_weight_grad(a, b, offsets, out, accumulate=False, tma_store=tma_store and out_dtype == torch.bfloat16,
+                       num_ctas=num_ctas)
     return out
 
 
 @gemm_weight_grad_op.register_fake
-def _(a, b, offsets, out_dtype, num_ctas):
+def _(a, b, offsets, out_dtype, tma_store, num_ctas):
     return a.new_empty((offsets.shape[0] - 1, a.shape[1], b.shape[1]), dtype=out_dtype)
 
 
@@ -376,7 +411,7 @@ def _(a, b, offsets, main_grad, num_ctas) -> None:
 
 def fc1_swiglu(x: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
                router_weight: Optional[torch.Tensor] = None, *, tile_rows: int = 128, save_preact: bool = False,
-               block_m: Optional[int] = None, wg_n: int = 256,
+               block_m: Optional[int] = None, wg_n: Optional[int] = None, tma_store: Optional[bool] = None,
                num_ctas: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """fc1 of every local expert with the SwiGLU epilogue fused.
 
@@ -388,30 +423,33 @@ def fc1_swiglu(x: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor,
         offsets: int32 [L + 1] on the device, multiples of ``tile_rows``. counts: int32 [L].
         router_weight: fp32 [R] or None (apply the router weight here instead of in combine).
         tile_rows: the padding of the layout (64 or 128). save_preact: also return gu.
-        block_m: row-block height (default ``tile_rows``; 64 also works on a 128 layout).
-        wg_n: B columns per warpgroup (256; 128 with block_m 64). num_ctas: 0 = one per SM.
+        block_m, wg_n, tma_store: the kernel variant (row-block height, B columns per
+        warpgroup, staged TMA stores); None takes :data:`DEFAULTS` for ``tile_rows``.
+        num_ctas: persistent CTAs, 0 = one per SM.
 
     Returns:
         (h bf16 [R, I], gu bf16 [R, 2I] = [x G^T | x U^T] or None).
     """
-    bm = check_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, tile_rows, block_m, wg_n)
-    h, gu = gemm_fc1_swiglu_op(x, fc1_weight, offsets, counts, router_weight, bm, wg_n, save_preact, num_ctas)
+    bm, wn, tma = check_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, tile_rows, block_m, wg_n,
+                                   tma_store)
+    h, gu = gemm_fc1_swiglu_op(x, fc1_weight, offsets, counts, router_weight, bm, wn, tma, save_preact, num_ctas)
     return h, (gu if save_preact else None)
 
 
 def fc2(h: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, *, tile_rows: int = 128,
-        block_m: Optional[int] = None, wg_n: int = 256, num_ctas: int = 0) -> torch.Tensor:
+        block_m: Optional[int] = None, wg_n: Optional[int] = None, tma_store: Optional[bool] = None,
+        num_ctas: int = 0) -> torch.Tensor:
     """fc2 of every local expert: y[r] = h[r] D_e^T.
 
     Args:
         h: bf16 [R, I]. fc2_weight: bf16 [L, H, I]. offsets: int32 [L + 1] on the device.
-        tile_rows, block_m, wg_n, num_ctas: as in :func:`fc1_swiglu`.
+        tile_rows, block_m, wg_n, tma_store, num_ctas: as in :func:`fc1_swiglu`.
 
     Returns:
         y bf16 [R, H] (padding rows hold h's padding rows times D_e: zeros for fc1's h).
     """
-    bm = check_fc2(h, fc2_weight, offsets, tile_rows, block_m, wg_n)
-    return gemm_fc2_op(h, fc2_weight, offsets, bm, wg_n, num_ctas)
+    bm, wn, tma = check_fc2(h, fc2_weight, offsets, tile_rows, block_m, wg_n, tma_store)
+    return gemm_fc2_op(h, fc2_weight, offsets, bm, wn, tma, num_ctas)
 
 
 def fc2_dgrad_swiglu(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tensor, offsets: torch.Tensor,
@@ -426,7 +464,8 @@ def fc2_dgrad_swiglu(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tenso
     Args:
         dy: bf16 [R, H], gradient of fc2's output rows. fc2_weight: bf16 [L, H, I].
         gu: bf16 [R, 2I], fc1's pre-activation (``fc1_swiglu(..., save_preact=True)``).
-        offsets, counts, router_weight, tile_rows, block_m, num_ctas: as in :func:`fc1_swiglu`.
+        offsets, counts, router_weight, tile_rows, block_m, num_ctas: as in :func:`fc1_swiglu`
+        (this kernel writes directly, with wg_n 256).
         want_h: also return h = w silu(g) u recomputed (the operand of fc2's weight gradient).
 
     Returns:
@@ -440,22 +479,24 @@ def fc2_dgrad_swiglu(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tenso
 
 
 def fc1_dgrad(dgu: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, *, tile_rows: int = 128,
-              block_m: Optional[int] = None, num_ctas: int = 0) -> torch.Tensor:
+              block_m: Optional[int] = None, wg_n: Optional[int] = None, tma_store: Optional[bool] = None,
+              num_ctas: int = 0) -> torch.Tensor:
     """Data gradient of fc1: dx[r] = dgu[r] W1_e with W1_e = fc1_weight[e] as [2I, H].
 
     Args:
-        dgu: bf16 [R, 2I]. fc1_weight: bf16 [L, 2I, H]. offsets, tile_rows, block_m, num_ctas:
-        as in :func:`fc1_swiglu`.
+        dgu: bf16 [R, 2I]. fc1_weight: bf16 [L, 2I, H]. offsets, tile_rows, block_m, wg_n,
+        tma_store, num_ctas: as in :func:`fc1_swiglu`.
 
     Returns:
         dx bf16 [R, H].
     """
-    bm = check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m)
-    return gemm_fc1_dgrad_op(dgu, fc1_weight, offsets, bm, num_ctas)
+    bm, wn, tma = check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m, wg_n, tma_store)
+    return gemm_fc1_dgrad_op(dgu, fc1_weight, offsets, bm, wn, tma, num_ctas)
 
 
 def weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
-                main_grad: Optional[torch.Tensor] = None, num_ctas: int = 0) -> torch.Tensor:
+                main_grad: Optional[torch.Tensor] = None, tma_store: Optional[bool] = None,
+                num_ctas: int = 0) -> torch.Tensor:
     """Weight gradient of every local expert: out[e] = a[rows of e]^T b[rows of e].
 
     fc1: ``weight_grad(dgu, x, offsets)`` -> [L, 2I, H]; fc2: ``weight_grad(dy, h, offsets)``
@@ -464,7 +505,8 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, out_
     Args:
         a: bf16 [R, M]. b: bf16 [R, N]. offsets: int32 [L + 1] on the device, multiples of 64.
         out_dtype: fp32 or bf16 for a new output. main_grad: fp32 [L, M, N] to accumulate into
-        (Megatron's ``main_grad``); it is returned. num_ctas: 0 = one per SM.
+        (Megatron's ``main_grad``); it is returned. tma_store: staged TMA stores for a bf16
+        output (default :data:`WGRAD_TMA_STORE`). num_ctas: 0 = one per SM.
 
     Returns:
         [L, M, N]: ``main_grad`` (accumulated) or a new tensor in ``out_dtype``.
@@ -478,4 +520,5 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, out_
     if out_dtype not in (torch.float32, torch.bfloat16):
         _fail(f"out_dtype must be fp32 or bf16, got {out_dtype}")
     check_weight_grad(a, b, offsets)
-    return gemm_weight_grad_op(a, b, offsets, out_dtype, num_ctas)
+    tma = WGRAD_TMA_STORE if tma_store is None else bool(tma_store)
+    return gemm_weight_grad_op(a, b, offsets, out_dtype, tma, num_ctas)

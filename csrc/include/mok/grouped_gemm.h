@@ -10,8 +10,13 @@
 // Shapes: x [R, H]; fc1_weight [L, 2I, H] (gate rows, then up rows); fc2_weight [L, H, I];
 // h [R, I]; gu [R, 2I] (fc1 pre-activation: gate columns, then up); y, dy, dx [R, H].
 //
-// Tiles: block_m x (wg_n * 2 * 64 / block_m) for the row-grouped GEMMs (wg_n = 256 by default;
-// 128 only with block_m 64 in the forward GEMMs), 128 x 256 for the weight gradients.
+// Tiles: block_m x (wg_n * 128 / block_m) for the row-grouped GEMMs (wg_n: B columns per
+// consumer warpgroup, 0 = 256), 128 x 256 for the weight gradients.
+// tma_store: 0 writes each thread's accumulator fragment straight to global memory; 1 stages
+// the tile in shared memory and writes it with TMA bulk stores that overlap the next tile.
+// Built variants (block_m, wg_n, tma_store): fc1/fc2 (128,256,0) (64,256,0) (64,128,0)
+// (128,256,1) (64,128,1); fc1 dgrad (128,256,0) (64,256,0) (128,256,1) (64,128,1); fc2 dgrad
+// (128,256,0) (64,256,0); others return MOK_ERR_UNSUPPORTED.
 // num_ctas: persistent CTAs to launch (0: one per SM; fewer leaves SMs to other work).
 // Every function returns MOK_OK, a cudaError_t (> 0) or a MOK_ERR_* code (< 0).
 #pragma once
@@ -26,12 +31,12 @@
 MOK_API int mok_gemm_fc1_swiglu(const void* x, const void* fc1_weight, const int32_t* offsets,
                                 const int32_t* counts, const float* router_weight, void* h,
                                 void* gu, int64_t rows_cap, int L, int H, int I, int block_m,
-                                int wg_n, int num_ctas, cudaStream_t stream);
+                                int wg_n, int tma_store, int num_ctas, cudaStream_t stream);
 
 // y = h D_e^T, bf16. Needs I % 64 == 0 and H % (wg_n * 128 / block_m) == 0.
 MOK_API int mok_gemm_fc2(const void* h, const void* fc2_weight, const int32_t* offsets, void* y,
                          int64_t rows_cap, int L, int H, int I, int block_m, int wg_n,
-                         int num_ctas, cudaStream_t stream);
+                         int tma_store, int num_ctas, cudaStream_t stream);
 
 // fp32 elements of the scratch buffer mok_gemm_fc2_dgrad_swiglu needs (router-weight partials).
 MOK_API int64_t mok_gemm_fc2_dgrad_scratch_floats(int64_t rows_cap, int I);
@@ -52,17 +57,17 @@ MOK_API int mok_gemm_fc2_dgrad_swiglu(const void* dy, const void* fc2_weight, co
                                       cudaStream_t stream);
 
 // dx = dgu W1_e (W1_e = fc1_weight[e] as [2I, H]), bf16. Needs I % 32 == 0 and
-// H % (256 * 128 / block_m) == 0.
+// H % (wg_n * 128 / block_m) == 0.
 MOK_API int mok_gemm_fc1_dgrad(const void* dgu, const void* fc1_weight, const int32_t* offsets,
                                void* dx, int64_t rows_cap, int L, int H, int I, int block_m,
-                               int num_ctas, cudaStream_t stream);
+                               int wg_n, int tma_store, int num_ctas, cudaStream_t stream);
 
 // Weight gradient per expert: out[e] = a_e^T b_e over the expert's rows [offsets[e],
 // offsets[e+1]) (offsets multiples of 64): a bf16 [R, M], b bf16 [R, N], out [L, M, N] fp32
 // (accumulate: out += ..., e.g. into Megatron's main_grad) or bf16 (out_bf16 = 1, no
 // accumulate). fc1: a = dgu, b = x (M = 2I, N = H); fc2: a = dy, b = h (M = H, N = I).
-// Experts without rows get zeros (or are left as they are when accumulating).
-// Needs M % 128 == 0 and N % 256 == 0.
+// Experts without rows get zeros (or are left as they are when accumulating). tma_store needs
+// the bf16 output. Needs M % 128 == 0 and N % 256 == 0.
 MOK_API int mok_gemm_weight_grad(const void* a, const void* b, const int32_t* offsets, void* out,
-                                 int out_bf16, int accumulate, int64_t rows_cap, int L, int M,
-                                 int N, int num_ctas, cudaStream_t stream);
+                                 int out_bf16, int accumulate, int tma_store, int64_t rows_cap,
+                                 int L, int M, int N, int num_ctas, cudaStream_t stream);

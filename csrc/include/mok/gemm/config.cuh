@@ -31,11 +31,15 @@ enum class BLayout {
   kMNMajor,  // weight [L, K, N] (out = A * W): the data gradients
 };
 
-template <int BM_, int WGN_, BLayout BL_>
+// kTmaStore: the epilogue stages the tile in shared memory (WGN * 128 bytes per consumer
+// warpgroup: 64 rows of WGN bf16) and writes it with TMA bulk stores that drain while the next
+// tile's K loop runs; this costs the pipeline a stage in some shapes.
+template <int BM_, int WGN_, BLayout BL_, bool kTmaStore_ = false>
 struct RowCfg {
   static constexpr int BM = BM_;
   static constexpr int WGN = WGN_;
   static constexpr BLayout kB = BL_;
+  static constexpr bool kTmaStore = kTmaStore_;
   static constexpr int WM = BM / 64;
   static constexpr int WN = kConsumerWarpgroups / WM;
   static constexpr int BN = WN * WGN;  // B columns per tile (for kSwiGLU: gate + up columns)
@@ -43,29 +47,38 @@ struct RowCfg {
   static constexpr int kABytes = BM * kBK * 2;
   static constexpr int kBBytes = BN * kBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages0 = (kSmemLimit - kSmemTail - kSmemAlign) / kStageBytes;
+  static constexpr int kStagingBytes = kTmaStore ? WGN * 128 : 0;  // per consumer warpgroup
+  static constexpr int kStages0 =
+      (kSmemLimit - kSmemTail - kSmemAlign - kConsumerWarpgroups * kStagingBytes) / kStageBytes;
   static constexpr int kStages = kStages0 > kMaxStages ? kMaxStages : kStages0;
-  static constexpr int kSmemBytes = kSmemAlign + kStages * kStageBytes + kSmemTail;
+  static constexpr int kSmemBytes =
+      kSmemAlign + kStages * kStageBytes + kConsumerWarpgroups * kStagingBytes + kSmemTail;
   static constexpr int kTransB = BL_ == BLayout::kMNMajor ? 1 : 0;
   static_assert(BM == 64 || BM == 128, "BM is 64 or 128");
   static_assert(WGN == 128 || WGN == 256, "WGN is 128 or 256");
-  static_assert(kStages >= 2, "at least two pipeline stages");
+  static_assert(kStages >= 3, "at least three pipeline stages");
   static_assert(kSmemBytes <= kSmemLimit, "shared memory budget");
 };
 
 // Weight-gradient tiles: out[e] (M x N) = A_e^T * B_e over the expert's rows; both operands
 // are MN-major row-grouped activations. 128 x 256 tiles, one 64-row half per warpgroup.
+template <bool kTmaStore_ = false>
 struct WgradCfg {
   static constexpr int BM = 128;
   static constexpr int WGN = 256;
   static constexpr int BN = 256;
+  static constexpr bool kTmaStore = kTmaStore_;
   static constexpr int kAccRegs = WGN / 2;
   static constexpr int kABytes = BM * kBK * 2;
   static constexpr int kBBytes = BN * kBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages0 = (kSmemLimit - kSmemTail - kSmemAlign) / kStageBytes;
+  static constexpr int kStagingBytes = kTmaStore ? WGN * 128 : 0;
+  static constexpr int kStages0 =
+      (kSmemLimit - kSmemTail - kSmemAlign - kConsumerWarpgroups * kStagingBytes) / kStageBytes;
   static constexpr int kStages = kStages0 > kMaxStages ? kMaxStages : kStages0;
-  static constexpr int kSmemBytes = kSmemAlign + kStages * kStageBytes + kSmemTail;
+  static constexpr int kSmemBytes =
+      kSmemAlign + kStages * kStageBytes + kConsumerWarpgroups * kStagingBytes + kSmemTail;
+  static_assert(kStages >= 3, "at least three pipeline stages");
 };
 
 }  // namespace gemm

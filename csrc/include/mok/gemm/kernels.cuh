@@ -31,7 +31,7 @@ template <class Cfg, class Epi>
 __global__ void __launch_bounds__(kThreads, 1)
     row_gemm_kernel(const __grid_constant__ RowKernelParams<Epi> p) {
   extern __shared__ uint8_t smem_raw[];
-  const SmemRing<Cfg::kStages, Cfg::kStageBytes, Cfg::kABytes> ring(smem_raw);
+  const SmemRing<Cfg> ring(smem_raw);
   if (threadIdx.x == 0) ring.init_barriers();
   for (int i = threadIdx.x; i <= p.L; i += blockDim.x) ring.table0[i] = p.offsets[i];
   __syncthreads();
@@ -54,31 +54,31 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int t = blockIdx.x; t < sched.total; t += gridDim.x) {
       const RowTile tile = sched.tile(t);
       mma_row_tile<Cfg>(p.op, wm, wn, ring, st, acc);
-      Epi::template apply<Cfg::WGN>(p.epi, tile, wm, wn, Cfg::BN, acc);
+      Epi::template apply<Cfg::WGN>(p.epi, tile, wm, wn, Cfg::BN, acc, ring.staging(cw), cw);
     }
+    Epi::finish(cw);
   }
 }
 
+template <class Epi>
 struct WgradKernelParams {
   WgradOperands op;
-  WgradEpilogue::Params epi;
+  typename Epi::Params epi;
   const int32_t* offsets;  // [L + 1]
   int L;
 };
 
-template <class Cfg>
+template <class Cfg, class Epi>
 __global__ void __launch_bounds__(kThreads, 1)
-    wgrad_kernel(const __grid_constant__ WgradKernelParams p) {
-  static_assert(Cfg::BM == WgradCfg::BM && Cfg::BN == WgradCfg::BN, "one weight-gradient shape");
+    wgrad_kernel(const __grid_constant__ WgradKernelParams<Epi> p) {
   extern __shared__ uint8_t smem_raw[];
-  const SmemRing<WgradCfg::kStages, WgradCfg::kStageBytes, WgradCfg::kABytes> ring(smem_raw);
+  const SmemRing<Cfg> ring(smem_raw);
   if (threadIdx.x == 0) ring.init_barriers();
   for (int i = threadIdx.x; i <= p.L; i += blockDim.x) ring.table0[i] = p.offsets[i];
   __syncthreads();
   WgradScheduler::build_order(ring.table0, ring.table1, p.L);
   __syncthreads();
-  const WgradScheduler sched(ring.table0, ring.table1, p.L, p.op.M / WgradCfg::BM,
-                             p.op.N / WgradCfg::BN);
+  const WgradScheduler sched(ring.table0, ring.table1, p.L, p.op.M / Cfg::BM, p.op.N / Cfg::BN);
   const int wg = threadIdx.x / 128;
   PipeState st;
   if (wg == 0) {
@@ -87,17 +87,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       tma_prefetch_descriptor(&p.op.map_a);
       tma_prefetch_descriptor(&p.op.map_b);
       for (int t = blockIdx.x; t < sched.total; t += gridDim.x)
-        load_wgrad_tile(p.op, sched.tile(t, WgradCfg::BM, WgradCfg::BN), ring, st);
+        load_wgrad_tile<Cfg>(p.op, sched.tile(t, Cfg::BM, Cfg::BN), ring, st);
     }
   } else {
     setmaxnreg_inc<kConsumerRegisters>();
     const int wm = wg - 1;
-    float acc[WgradCfg::kAccRegs];
+    float acc[Cfg::kAccRegs];
     for (int t = blockIdx.x; t < sched.total; t += gridDim.x) {
-      const WgradTile tile = sched.tile(t, WgradCfg::BM, WgradCfg::BN);
-      mma_wgrad_tile(tile, wm, ring, st, acc);
-      WgradEpilogue::apply<WgradCfg::WGN>(p.epi, tile, wm, acc);
+      const WgradTile tile = sched.tile(t, Cfg::BM, Cfg::BN);
+      mma_wgrad_tile<Cfg>(tile, wm, ring, st, acc);
+      Epi::template apply<Cfg::WGN>(p.epi, tile, wm, acc, ring.staging(wm), wm);
     }
+    Epi::finish(wm);
   }
 }
 

@@ -31,8 +31,7 @@ struct RowOperands {
 
 template <class Cfg>
 __device__ __forceinline__ void load_row_tile(const RowOperands& op, const RowTile& t,
-                                              const SmemRing<Cfg::kStages, Cfg::kStageBytes,
-                                                             Cfg::kABytes>& ring,
+                                              const SmemRing<Cfg>& ring,
                                               PipeState& st) {
   const int nk = op.K / kBK;
   for (int kb = 0; kb < nk; ++kb) {
@@ -69,8 +68,7 @@ __device__ __forceinline__ void load_row_tile(const RowOperands& op, const RowTi
 // Consumer warpgroup (wm, wn) of the tile: acc = A[rows wm*64 .. +64] * B[cols wn*WGN .. +WGN].
 template <class Cfg>
 __device__ __forceinline__ void mma_row_tile(const RowOperands& op, int wm, int wn,
-                                             const SmemRing<Cfg::kStages, Cfg::kStageBytes,
-                                                            Cfg::kABytes>& ring,
+                                             const SmemRing<Cfg>& ring,
                                              PipeState& st, float (&acc)[Cfg::kAccRegs]) {
 #pragma unroll
   for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;
@@ -112,33 +110,29 @@ struct WgradOperands {
   int M, N;
 };
 
+template <class Cfg>
 __device__ __forceinline__ void load_wgrad_tile(const WgradOperands& op, const WgradTile& t,
-                                                const SmemRing<WgradCfg::kStages,
-                                                               WgradCfg::kStageBytes,
-                                                               WgradCfg::kABytes>& ring,
-                                                PipeState& st) {
+                                                const SmemRing<Cfg>& ring, PipeState& st) {
   const int nk = t.k_rows / kBK;
   for (int kb = 0; kb < nk; ++kb) {
-    uint64_t* bar = ring.acquire(st, WgradCfg::kStageBytes);
+    uint64_t* bar = ring.acquire(st, Cfg::kStageBytes);
     const int r = t.row0 + kb * kBK;
     uint8_t* a = ring.a(st.stage);
     uint8_t* b = ring.b(st.stage);
 #pragma unroll
-    for (int j = 0; j < WgradCfg::BM / 64; ++j) tma_load_2d(a + j * 8192, &op.map_a, bar, t.m0 + j * 64, r);
+    for (int j = 0; j < Cfg::BM / 64; ++j) tma_load_2d(a + j * 8192, &op.map_a, bar, t.m0 + j * 64, r);
 #pragma unroll
-    for (int j = 0; j < WgradCfg::BN / 64; ++j) tma_load_2d(b + j * 8192, &op.map_b, bar, t.n0 + j * 64, r);
-    st.advance<WgradCfg::kStages>();
+    for (int j = 0; j < Cfg::BN / 64; ++j) tma_load_2d(b + j * 8192, &op.map_b, bar, t.n0 + j * 64, r);
+    st.template advance<Cfg::kStages>();
   }
 }
 
 // Consumer warpgroup wm (rows wm*64 .. +64 of the output tile, all BN columns).
-__device__ __forceinline__ void mma_wgrad_tile(const WgradTile& t, int wm,
-                                               const SmemRing<WgradCfg::kStages,
-                                                              WgradCfg::kStageBytes,
-                                                              WgradCfg::kABytes>& ring,
-                                               PipeState& st, float (&acc)[WgradCfg::kAccRegs]) {
+template <class Cfg>
+__device__ __forceinline__ void mma_wgrad_tile(const WgradTile& t, int wm, const SmemRing<Cfg>& ring,
+                                               PipeState& st, float (&acc)[Cfg::kAccRegs]) {
 #pragma unroll
-  for (int i = 0; i < WgradCfg::kAccRegs; ++i) acc[i] = 0.f;
+  for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;
   const int nk = t.k_rows / kBK;
   int prev = -1;
   for (int kb = 0; kb < nk; ++kb) {
@@ -159,7 +153,7 @@ __device__ __forceinline__ void mma_wgrad_tile(const WgradTile& t, int wm,
     fence_registers(acc);
     if (prev >= 0) ring.release(prev);
     prev = st.stage;
-    st.advance<WgradCfg::kStages>();
+    st.template advance<Cfg::kStages>();
   }
   wgmma_wait<0>();
   fence_registers(acc);

@@ -26,10 +26,14 @@ struct PipeState {
   }
 };
 
-// Carves the dynamic shared memory of a kernel: stages (1024-byte aligned), barriers, and two
-// int32 tables of kMaxExperts + 1 entries for the tile schedulers.
-template <int kStages, int kStageBytes, int kABytes>
+// Carves the dynamic shared memory of a kernel: stages (1024-byte aligned), the epilogue staging
+// buffers of the consumer warpgroups (if any), barriers, and two int32 tables of
+// kMaxExperts + 1 entries for the tile schedulers.
+template <class Cfg>
 struct SmemRing {
+  static constexpr int kStages = Cfg::kStages;
+  static constexpr int kStageBytes = Cfg::kStageBytes;
+  static constexpr int kABytes = Cfg::kABytes;
   uint8_t* base;
   uint64_t* full;
   uint64_t* empty;
@@ -39,10 +43,15 @@ struct SmemRing {
   __device__ __forceinline__ explicit SmemRing(uint8_t* raw) {
     const uint32_t a = smem_addr(raw);
     base = raw + ((kSmemAlign - (a % kSmemAlign)) % kSmemAlign);
-    full = reinterpret_cast<uint64_t*>(base + kStages * kStageBytes);
+    full = reinterpret_cast<uint64_t*>(base + kStages * kStageBytes +
+                                       kConsumerWarpgroups * Cfg::kStagingBytes);
     empty = full + kStages;
     table0 = reinterpret_cast<int32_t*>(full + 2 * kMaxStages);
     table1 = table0 + kMaxExperts + 1;
+  }
+  // Epilogue staging buffer of consumer warpgroup cw (1024-byte aligned).
+  __device__ __forceinline__ uint8_t* staging(int cw) const {
+    return base + kStages * kStageBytes + cw * Cfg::kStagingBytes;
   }
   __device__ __forceinline__ uint8_t* a(int s) const { return base + s * kStageBytes; }
   __device__ __forceinline__ uint8_t* b(int s) const { return base + s * kStageBytes + kABytes; }
