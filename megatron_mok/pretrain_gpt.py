@@ -364,6 +364,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron.training.arguments import parse_and_validate_args
 
     from .config import MoKConfigError
+    from .functional import BackendUnavailable
     from .megatron.validation import MoKUnsupportedError
 
     main_entry = time.time()
@@ -381,7 +382,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model_cfg = gpt_config_from_args(args)
 
     if not torch.cuda.is_available():
-        description = build_model_without_gpu(args, model_cfg)
+        try:
+            description = build_model_without_gpu(args, model_cfg)
+        except (MoKUnsupportedError, BackendUnavailable) as err:
+            print(f"mok-pretrain-gpt: error: {err}", file=sys.stderr, flush=True)
+            return 2
         print(
             f"mok-pretrain-gpt: no CUDA GPU on this machine. Arguments parsed and validated "
             f"(--moe-token-dispatcher-type {args.moe_token_dispatcher_type}); model built on the "

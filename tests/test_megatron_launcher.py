@@ -93,3 +93,22 @@ def test_launcher_on_cpu_builds_the_deepseek_proxy_on_the_meta_device():
     assert "3 MoE layers (MoKMoELayer)" in proc.stdout
     millions = float(proc.stdout.split("meta device: ")[1].split("M parameters")[0])
     assert millions > 2000
+
+
+def test_training_log_parser_and_comparison():
+    from megatron_mok.megatron.training_log import compare_losses, parse_training_log, summarize
+
+    def line(i, loss, ms):
+        return (f" [2026-11-29 20:00:00.000000] iteration {i:8d}/{4:8d} | consumed samples: {i:12d} | "
+                f"elapsed time per iteration (ms): {ms:.1f} | learning rate: 1.000000E-04 | global batch size:"
+                f"     1 | lm loss: {loss:.6E} | mtp_1 loss: 9.000000E+00 | loss scale: 1.0 |")
+
+    a = parse_training_log("\n".join([line(1, 10.0, 900.0), "noise", line(2, 9.0, 100.0), line(3, 8.0, 110.0),
+                                       line(4, 7.0, 120.0)]))
+    b = parse_training_log("\n".join([line(1, 10.1, 50.0), line(2, 9.0, 50.0), line(4, 7.0, 50.0)]))
+    assert [e.iteration for e in a] == [1, 2, 3, 4] and a[0].lm_loss == 10.0 and a[0].elapsed_ms == 900.0
+    s = summarize(a, tokens_per_iteration=4096, warmup=1)
+    assert (s.first_loss, s.last_loss, s.median_ms) == (10.0, 7.0, 110.0)
+    assert abs(s.tokens_per_s - 4096 / 0.110) < 1e-6
+    count, worst, mean = compare_losses(a, b)
+    assert count == 3 and abs(worst - 0.01) < 1e-12 and abs(mean - 0.01 / 3) < 1e-12

@@ -36,7 +36,7 @@ from megatron.core.typed_torch import apply_module, not_none
 from ..functional import mok_moe
 from .dispatcher import MoKTokenDispatcher
 from .experts import local_expert_weights, shared_expert_weights, stacked
-from .peers import check_ep_peer_access
+from .peers import check_ep_peer_access, gpu_backend_will_run
 from .routing import remap_for_fused_shared, routing_to_topk
 from .settings import MoKLayerSettings, settings_for
 from .validation import check_supported, warn_ignored_settings
@@ -115,7 +115,10 @@ class MoKMoELayer(MoELayer):
         self.setup_delayed_wgrad_for_dispatch_backward_overlap()
 
         self.ep_size = utils.get_pg_size(self.ep_group)
-        check_ep_peer_access(self.ep_group if self.ep_size > 1 else None, self.mok_settings.backend)
+        # An explicitly requested GPU backend that cannot run here fails now, not in the first
+        # forward; a GPU backend needs peer access across the EP group.
+        if gpu_backend_will_run(self.mok_settings.backend) and self.ep_size > 1:
+            check_ep_peer_access(self.ep_group)
 
     # ------------------------------------------------------------------------------------------
     # The fused path.

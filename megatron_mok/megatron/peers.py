@@ -88,18 +88,15 @@ _CHECKED_GROUPS: set = set()
 """Rank tuples of the EP groups already checked in this process."""
 
 
-def check_ep_peer_access(ep_group: Optional[dist.ProcessGroup], backend: str) -> None:
-    """Raise :class:`EPTopologyError` when ``backend`` resolves to a GPU backend and the EP group
-    lacks the peer access it needs. Collective over the EP group (every rank must call it);
-    done once per group.
+def check_ep_peer_access(ep_group: Optional[dist.ProcessGroup]) -> None:
+    """Raise :class:`EPTopologyError` when the ranks of ``ep_group`` lack the peer access the
+    MoK GPU backends need. Collective over the EP group (every rank must call it); done once
+    per group. Call it only when a GPU backend will run (:func:`gpu_backend_will_run`).
 
     Args:
         ep_group: the expert-parallel process group (None or size 1: nothing to check).
-        backend: the layer's ``--mok-backend``.
     """
     if ep_group is None or dist.get_world_size(ep_group) == 1:
-        return
-    if not gpu_backend_will_run(backend):
         return
     key = tuple(dist.get_process_group_ranks(ep_group))
     if key in _CHECKED_GROUPS:

@@ -1,0 +1,47 @@
+"""Put two Megatron training logs side by side: first/last LM loss, tokens/s, and whether the
+loss curves agree within bf16 noise.
+
+    python examples/compare_logs.py RUN_A.log RUN_B.log --tokens-per-iteration 8192
+"""
+
+import argparse
+import sys
+
+from megatron_mok.megatron.training_log import compare_losses, parse_training_log, summarize
+
+# Two bf16 runs of the same model, data and initialisation whose MoE layers sum in different
+# orders drift apart by round-off; beyond these relative differences they compute different
+# things.
+MAX_RELATIVE = 0.03
+MEAN_RELATIVE = 0.01
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("logs", nargs=2, help="two Megatron logs (e.g. alltoall.log mok.log)")
+    parser.add_argument("--tokens-per-iteration", type=int, required=True,
+                        help="global batch size x sequence length")
+    parser.add_argument("--warmup", type=int, default=5, help="iterations left out of the timing")
+    args = parser.parse_args(argv)
+
+    runs = []
+    for path in args.logs:
+        with open(path, errors="replace") as f:
+            log = parse_training_log(f.read())
+        if not log:
+            print(f"{path}: no iteration with an lm loss; see the log for the error", file=sys.stderr)
+            return 1
+        runs.append(log)
+        s = summarize(log, args.tokens_per_iteration, args.warmup)
+        print(f"{path}: {s.iterations} iterations, lm loss first {s.first_loss:.4f} last {s.last_loss:.4f}, "
+              f"median {s.median_ms:.1f} ms/iteration, {s.tokens_per_s:,.0f} tokens/s")
+    count, worst, mean = compare_losses(runs[0], runs[1])
+    agree = count > 0 and worst <= MAX_RELATIVE and mean <= MEAN_RELATIVE
+    print(f"loss curves over {count} common iterations: max relative difference {worst:.2%}, mean "
+          f"{mean:.2%} -> {'AGREE' if agree else 'DIFFER'} (bf16 noise bounds: max {MAX_RELATIVE:.0%}, "
+          f"mean {MEAN_RELATIVE:.0%})")
+    return 0 if agree else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+# Shared by the example scripts (source it). Reads the "#@ key=value" metadata of a config.
+#   config_meta FILE KEY DEFAULT   prints the value of KEY in FILE, or DEFAULT
+config_meta() {
+  local value
+  value=$(grep -h '^#@' "$1" | tr ' ' '\n' | sed -n "s/^$2=//p" | head -n 1)
+  echo "${value:-$3}"
+}
+
+# dispatcher_flags NAME: the Megatron flags of a dispatcher choice
+#   mok | alltoall | allgather | flex-deepep | flex-hybridep
+dispatcher_flags() {
+  case "$1" in
+    mok) echo "--moe-token-dispatcher-type mok" ;;
+    alltoall) echo "--moe-token-dispatcher-type alltoall" ;;
+    allgather) echo "--moe-token-dispatcher-type allgather" ;;
+    flex-deepep) echo "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep" ;;
+    flex-hybridep) echo "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep" ;;
+    *) echo "unknown dispatcher '$1' (mok, alltoall, allgather, flex-deepep, flex-hybridep)" >&2; return 1 ;;
+  esac
+}
