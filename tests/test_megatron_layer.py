@@ -58,12 +58,14 @@ def _fused_shared_expert(rank, world):
     import megatron_mok
 
     megatron_mok.register()
-    cases = [dict(), dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True)]
+    cases = [dict(), dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True),
+             dict(recompute_granularity="selective", recompute_modules=["moe"])]
     for overrides in cases:
         overrides.setdefault("moe_shared_expert_intermediate_size", 16)
         ref = build_gpt(tiny_config("alltoall", world, **overrides), seed=3)
         mok = build_gpt(tiny_config("mok", world, mok_settings=_settings(fuse_shared_expert=True), **overrides), seed=4)
         assert all(m.fused_shared for _, m in moe_layers(mok))
+        assert all(m.moe_layer_recompute == ("recompute_modules" in overrides) for _, m in moe_layers(mok))
         mok.load_state_dict(ref.state_dict(), strict=True)
         want_loss, want_grads = loss_and_grads(ref, rank)
         got_loss, got_grads = loss_and_grads(mok, rank)
@@ -71,7 +73,7 @@ def _fused_shared_expert(rank, world):
         assert_close_tensors(want_grads, got_grads, f"fused shared {overrides} grad")
 
 
-def test_fused_shared_expert_matches_megatron_shared_expert():
+def test_fused_shared_expert_and_recompute_match_megatron():
     megatron_ranks(_fused_shared_expert, 2)
 
 
