@@ -35,6 +35,9 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 # run gains, and both runs are treated alike.
 export TORCH_COMPILE_DISABLE=${TORCH_COMPILE_DISABLE:-1}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+# NVLink multicast stays off (the shared H200 hosts require it; MoK does not use multicast).
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
 
 common=(
   "@$config" "@configs/local_no_te.args"
@@ -48,6 +51,17 @@ common=(
   --log-interval 1 --eval-iters 0 --eval-interval "$(( iters + 1 ))"
   --no-bias-swiglu-fusion
 )
+
+export PYTHONUNBUFFERED=1
+# Build (or find in the cache) the MoK CUDA library once, before the timed runs; without it
+# --mok-backend auto falls back to the reference backend (and says so in the log).
+"$py" - <<'PY' || echo "MoK CUDA library unavailable: the mok run will use the reference backend" >&2
+import time
+from megatron_mok.ops.library import load_library
+start = time.time()
+load_library()
+print(f"MoK CUDA library ready ({time.time() - start:.0f} s)")
+PY
 
 status=0
 for dispatcher in alltoall mok; do

@@ -36,6 +36,9 @@ backend_flags=("@$root/configs/local_no_te.args")
 
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+# NVLink multicast stays off (the shared H200 hosts require it; MoK does not use multicast).
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
 cd "$root"
 # shellcheck disable=SC2046
 exec "$py" -m torch.distributed.run --standalone --nproc-per-node "$ngpus" -m megatron_mok.pretrain_gpt \

@@ -30,6 +30,9 @@ if [ "$ngpus" -gt 0 ]; then
   # more than it saves.
   export TORCH_COMPILE_DISABLE=${TORCH_COMPILE_DISABLE:-1}
   export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+  # NVLink multicast stays off (the shared H200 hosts require it; MoK does not use multicast).
+  export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+  export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
   exec "$python" -m torch.distributed.run --standalone --nproc-per-node "$ngpus" -m megatron_mok.pretrain_gpt \
     "${flags[@]}" --bf16 --num-experts $(( 8 * ngpus )) --expert-model-parallel-size "$ngpus" \
     --global-batch-size $(( 4 * ngpus )) --mok-backend auto
