@@ -352,6 +352,19 @@ def _current_device(device):
     return mock.patch("torch.cuda.current_device", lambda: device)
 
 
+def _use_prebuilt_dataset_helpers() -> None:
+    """Megatron's training start runs ``make`` in megatron/core/datasets to build its C++ index
+    helpers; the megatron-core wheel ships them prebuilt (``helpers_cpp``) but no Makefile, so
+    that ``make`` fails and rank 0 exits. Skip the build when the prebuilt module imports."""
+    import megatron.core.datasets.utils as dataset_utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # a source checkout: let Megatron build them as usual
+    dataset_utils.compile_helpers = lambda: None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run GPT pretraining (see the module docstring). Returns the process exit status.
 
@@ -401,6 +414,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  f"{args.moe_token_dispatcher_type}" + (f", --mok-backend {args.mok_backend}"
                                                         if args.moe_token_dispatcher_type == "mok" else ""))
     full_config = pretrain_cfg_container_from_args(args, model_cfg)
+    _use_prebuilt_dataset_helpers()
     run_pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
                  store=store, get_embedding_ranks=get_embedding_ranks)
     return 0
