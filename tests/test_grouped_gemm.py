@@ -39,8 +39,8 @@ def _c(lib, name, restype, nargs):
 
 def test_library_exports_the_gemm_entry_points(built_library):
     lib = library.MokLibrary(built_library)
-    for name in ("mok_gemm_fc1_swiglu", "mok_gemm_fc2", "mok_gemm_fc2_dgrad_swiglu", "mok_gemm_fc1_dgrad",
-                 "mok_gemm_weight_grad", "mok_gemm_fc2_dgrad_scratch_floats"):
+    for name in ("mok_gemm_fc1_swiglu", "mok_gemm_fc2", "mok_gemm_fc2_dgrad_swiglu", "mok_gemm_fc2_dgrad",
+                 "mok_gemm_fc1_dgrad", "mok_gemm_weight_grad", "mok_gemm_fc2_dgrad_scratch_floats"):
         assert hasattr(lib._dll, name), name
     fn = lib.function("mok_gemm_fc2_dgrad_scratch_floats", ctypes.c_int64, [ctypes.c_int64, ctypes.c_int])
     assert fn(1000, 2048) == 1000 * 8
@@ -50,27 +50,29 @@ def test_c_abi_rejects_bad_arguments_before_any_launch(built_library):
     """These return before any CUDA call, so they run without a GPU."""
     lib = library.MokLibrary(built_library)
     i, i64, v = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fc1 = lib.function("mok_gemm_fc1_swiglu", i, [v, v, v, v, v, v, v, i64, i, i, i, i, i, i, i, v])
+    fc1 = lib.function("mok_gemm_fc1_swiglu", i, [v, v, v, v, v, v, v, i64, i, i, i, i, i, i, i, i, v])
     p = ctypes.c_void_p(0x10000)  # never dereferenced: the checks fail first
     # null pointer
-    assert fc1(None, p, p, p, None, p, None, 256, 4, 1024, 512, 128, 256, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    assert fc1(None, p, p, p, None, p, None, 256, 4, 1024, 512, 128, 256, 0, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
     # H not a multiple of 64
-    assert fc1(p, p, p, p, None, p, None, 256, 4, 1000, 512, 128, 256, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    assert fc1(p, p, p, p, None, p, None, 256, 4, 1000, 512, 128, 256, 0, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
     # I not a multiple of the tile's h columns (128 for block_m 128)
-    assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 200, 128, 256, 1, 0, None) == MOK_ERR_INVALID_ARGUMENT
-    # block_m 96, or block_m 128 with wg_n 128, is not built
-    assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 512, 96, 256, 0, 0, None) == MOK_ERR_UNSUPPORTED
-    assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 512, 128, 128, 0, 0, None) == MOK_ERR_UNSUPPORTED
+    assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 200, 128, 256, 1, 1, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    # block_m 96, block_m 128 with wg_n 128, or multicast with block_m 64 are not built
+    assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 512, 96, 256, 0, 0, 0, None) == MOK_ERR_UNSUPPORTED
+    assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 512, 128, 128, 0, 0, 0, None) == MOK_ERR_UNSUPPORTED
+    assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 512, 64, 256, 0, 1, 0, None) == MOK_ERR_UNSUPPORTED
     # too many experts
-    assert fc1(p, p, p, p, None, p, None, 256, 5000, 1024, 512, 128, 256, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    assert fc1(p, p, p, p, None, p, None, 256, 5000, 1024, 512, 128, 256, 0, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
     wgrad = lib.function("mok_gemm_weight_grad", i, [v, v, v, v, i, i, i, i64, i, i, i, i, v])
     assert wgrad(p, p, p, p, 0, 0, 0, 256, 4, 100, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT  # M % 128
     assert wgrad(p, p, p, p, 1, 1, 0, 256, 4, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT  # bf16 + accumulate
     assert wgrad(p, p, p, p, 0, 0, 1, 256, 4, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT  # staged fp32
-    dgrad = lib.function("mok_gemm_fc2_dgrad_swiglu", i,
-                         [v, v, v, v, v, v, v, v, v, v, i64, i, i, i, i, i, v])
+    dgrad = lib.function("mok_gemm_fc2_dgrad_swiglu", i, [v] * 10 + [i64, i, i, i, i, i, i, v])
     # a router weight without the buffers for its gradient
-    assert dgrad(p, p, p, p, p, p, p, None, None, None, 256, 4, 1024, 512, 128, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    assert dgrad(p, p, p, p, p, p, p, None, None, None, 256, 4, 1024, 512, 128, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    plain = lib.function("mok_gemm_fc2_dgrad", i, [v, v, v, v, i64, i, i, i, i, i, i, i, i, v])
+    assert plain(p, p, p, p, 256, 4, 1024, 384, 128, 256, 1, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT  # I % 256
 
 
 def _cpu_args(R=256, L=4, H=1024, I=512):
@@ -96,6 +98,8 @@ def test_python_checks_name_the_bad_value():
         gg.check_fc1_swiglu(x, w1, offsets, counts, None, 64, block_m=128)
     with pytest.raises(gg.GemmArgumentError, match="is not built"):
         gg.check_fc1_swiglu(x, w1, offsets, counts, None, 128, block_m=128, wg_n=128)
+    with pytest.raises(gg.GemmArgumentError, match="is not built"):
+        gg.check_fc2(torch.zeros(256, 512, dtype=torch.bfloat16), w2, offsets, 64, multicast=True)
     with pytest.raises(gg.GemmArgumentError, match="router_weight must have one entry per row"):
         gg.check_fc1_swiglu(x, w1, offsets, counts, torch.ones(7), 128)
     with pytest.raises(gg.GemmArgumentError, match="I = 192 must be a multiple of 128"):
@@ -116,10 +120,12 @@ def test_python_checks_name_the_bad_value():
         gg.weight_grad(x, x, offsets, main_grad=torch.zeros(4, 1024, 1024, dtype=torch.bfloat16))
     # valid arguments pass and pick the variant from the layout
     assert gg.check_fc1_swiglu(x, w1, offsets, counts, torch.ones(256), 128) == gg.DEFAULTS["fc1"][128]
-    assert gg.check_fc1_swiglu(x, w1, offsets, counts, None, 64, wg_n=128, tma_store=True) == (64, 128, True)
-    assert gg.check_fc2(torch.zeros(256, 512, dtype=torch.bfloat16), w2, offsets, 128, block_m=64)[0] == 64
+    assert gg.check_fc1_swiglu(x, w1, offsets, counts, None, 64, wg_n=128, tma_store=True) == \
+        gg.Variant(64, 128, True, False)
+    assert gg.check_fc2(torch.zeros(256, 512, dtype=torch.bfloat16), w2, offsets, 128, block_m=64).block_m == 64
     assert gg.check_fc1_dgrad(torch.zeros(256, 1024, dtype=torch.bfloat16), w1, offsets, 64) == \
-        gg.DEFAULTS["fc1_dgrad"][64]
+        gg.DEFAULTS["dgrad"][64]
+    assert gg.check_fc2_dgrad(x, w2, offsets, 128, multicast=True).multicast
 
 
 def test_fake_impls_give_shapes():
@@ -128,15 +134,17 @@ def test_fake_impls_give_shapes():
     with FakeTensorMode():
         x, w1, w2, offsets, counts = _cpu_args(R=384, L=4, H=1024, I=512)
         rw = torch.ones(384)
-        h, gu = torch.ops.mok.gemm_fc1_swiglu(x, w1, offsets, counts, rw, 128, 256, False, True, 0)
+        v = [128, 256, 1, 0]
+        h, gu = torch.ops.mok.gemm_fc1_swiglu(x, w1, offsets, counts, rw, v, True, 0)
         assert h.shape == (384, 512) and gu.shape == (384, 1024) and h.dtype == torch.bfloat16
-        h2, gu2 = torch.ops.mok.gemm_fc1_swiglu(x, w1, offsets, counts, None, 128, 256, True, False, 0)
+        h2, gu2 = torch.ops.mok.gemm_fc1_swiglu(x, w1, offsets, counts, None, v, False, 0)
         assert gu2.shape == (0, 1024)
-        y = torch.ops.mok.gemm_fc2(h, w2, offsets, 128, 256, True, 0)
+        y = torch.ops.mok.gemm_fc2(h, w2, offsets, v, 0)
         assert y.shape == (384, 1024)
-        dgu, dw, hh = torch.ops.mok.gemm_fc2_dgrad_swiglu(y, w2, gu, offsets, counts, rw, 128, True, 0)
+        dgu, dw, hh = torch.ops.mok.gemm_fc2_dgrad_swiglu(y, w2, gu, offsets, counts, rw, [128, 256, 0, 0], True, 0)
         assert dgu.shape == (384, 1024) and dw.shape == (384,) and dw.dtype == torch.float32 and hh.shape == (384, 512)
-        dx = torch.ops.mok.gemm_fc1_dgrad(dgu, w1, offsets, 128, 256, False, 0)
+        assert torch.ops.mok.gemm_fc2_dgrad(y, w2, offsets, v, 0).shape == (384, 512)
+        dx = torch.ops.mok.gemm_fc1_dgrad(dgu, w1, offsets, v, 0)
         assert dx.shape == (384, 1024)
         d1 = torch.ops.mok.gemm_weight_grad(dgu, x, offsets, torch.float32, False, 0)
         assert d1.shape == (4, 1024, 1024) and d1.dtype == torch.float32
@@ -255,20 +263,20 @@ SMALL = [0, 1, 130, 700, 63, 0, 2500, 64]  # empty, one row, not tile multiples,
 
 
 def _configs(kernel):
-    """(tile_rows, block_m, wg_n, tma_store) of every built variant on every layout it takes."""
-    return [(tile, bm, wn, tma) for tile in (128, 64) for (bm, wn, tma) in sorted(gg.VARIANTS[kernel])
-            if tile % bm == 0]
+    """(tile_rows, variant) of every built variant on every layout it takes."""
+    return [(tile, v) for tile in (128, 64) for v in sorted(gg.VARIANTS[kernel]) if tile % v.block_m == 0]
 
 
 def _id(c):
-    return f"t{c[0]}-m{c[1]}n{c[2]}" + ("-tma" if c[3] else "")
+    tile, v = c
+    return f"t{tile}-m{v.block_m}n{v.wg_n}" + ("-tma" if v.tma_store else "") + ("-mc" if v.multicast else "")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", _configs("fc1"), ids=_id)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_fc1_swiglu(cfg, weighted):
-    tile, block_m, wg_n, tma = cfg
+    tile, v = cfg
     seed = _seed()
     lay = Layout(SMALL, tile)
     H, I = 1024, 512
@@ -277,8 +285,8 @@ def test_fc1_swiglu(cfg, weighted):
     h_ref, gu_ref = ref_fc1(lay, x, w1, rw)
     for num_ctas, keep_gu in ((0, True), (3, True), (0, False)):  # few CTAs: many tiles each
         h, gu = _poisoned(lay.R, I), _poisoned(lay.R, 2 * I)
-        gg.launch_fc1_swiglu(x, w1, lay.offsets_d, lay.counts_d, rw, h, gu if keep_gu else None,
-                             block_m=block_m, wg_n=wg_n, tma_store=tma, num_ctas=num_ctas)
+        gg.launch_fc1_swiglu(x, w1, lay.offsets_d, lay.counts_d, rw, h, gu if keep_gu else None, variant=v,
+                             num_ctas=num_ctas)
         torch.cuda.synchronize()
         _check(f"h (ctas={num_ctas})", h, h_ref, lay, seed)
         if keep_gu:
@@ -292,7 +300,7 @@ def test_fc1_swiglu(cfg, weighted):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", _configs("fc2"), ids=_id)
 def test_fc2(cfg):
-    tile, block_m, wg_n, tma = cfg
+    tile, v = cfg
     seed = _seed()
     lay = Layout(SMALL, tile)
     H, I = 1024, 512
@@ -301,16 +309,16 @@ def test_fc2(cfg):
     ref = ref_rowwise(lay, h, lambda l: w2[l].t())
     for num_ctas in (0, 5):
         y = _poisoned(lay.R, H)
-        gg.launch_fc2(h, w2, lay.offsets_d, y, block_m=block_m, wg_n=wg_n, tma_store=tma, num_ctas=num_ctas)
+        gg.launch_fc2(h, w2, lay.offsets_d, y, variant=v, num_ctas=num_ctas)
         torch.cuda.synchronize()
         _check(f"y (ctas={num_ctas})", y, ref, lay, seed)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", _configs("fc2_dgrad"), ids=_id)
+@pytest.mark.parametrize("cfg", _configs("fc2_dgrad_swiglu"), ids=_id)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_fc2_dgrad_swiglu(cfg, weighted):
-    tile, block_m = cfg[:2]
+    tile, v = cfg
     seed = _seed()
     lay = Layout(SMALL, tile)
     H, I = 1024, 512
@@ -324,8 +332,8 @@ def test_fc2_dgrad_swiglu(cfg, weighted):
         dgu, hh = _poisoned(lay.R, 2 * I), _poisoned(lay.R, I)
         dw = _poisoned(lay.R, dtype=torch.float32) if weighted else None
         scratch = torch.empty(gg.dgrad_scratch_floats(lay.R, I), device="cuda") if weighted else None
-        gg.launch_fc2_dgrad_swiglu(dy, w2, gu, lay.offsets_d, lay.counts_d, rw, dgu, hh, dw, scratch,
-                                   block_m=block_m, num_ctas=num_ctas)
+        gg.launch_fc2_dgrad_swiglu(dy, w2, gu, lay.offsets_d, lay.counts_d, rw, dgu, hh, dw, scratch, variant=v,
+                                   num_ctas=num_ctas)
         torch.cuda.synchronize()
         _check(f"dgu (ctas={num_ctas})", dgu, dgu_ref, lay, seed)
         _check(f"h recomputed (ctas={num_ctas})", hh, h_ref, lay, seed)
@@ -334,9 +342,9 @@ def test_fc2_dgrad_swiglu(cfg, weighted):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", _configs("fc1_dgrad"), ids=_id)
+@pytest.mark.parametrize("cfg", _configs("dgrad"), ids=_id)
 def test_fc1_dgrad(cfg):
-    tile, block_m, wg_n, tma = cfg
+    tile, v = cfg
     seed = _seed()
     lay = Layout(SMALL, tile)
     H, I = 1024, 512
@@ -345,10 +353,26 @@ def test_fc1_dgrad(cfg):
     ref = ref_rowwise(lay, dgu, lambda l: w1[l])
     for num_ctas in (0, 7):
         dx = _poisoned(lay.R, H)
-        gg.launch_fc1_dgrad(dgu, w1, lay.offsets_d, dx, block_m=block_m, wg_n=wg_n, tma_store=tma,
-                            num_ctas=num_ctas)
+        gg.launch_fc1_dgrad(dgu, w1, lay.offsets_d, dx, variant=v, num_ctas=num_ctas)
         torch.cuda.synchronize()
         _check(f"dx (ctas={num_ctas})", dx, ref, lay, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", _configs("dgrad"), ids=_id)
+def test_fc2_dgrad_plain(cfg):
+    tile, v = cfg
+    seed = _seed()
+    lay = Layout(SMALL, tile)
+    H, I = 1024, 512
+    dy = torch.randn(lay.R, H, device="cuda").bfloat16()
+    w2 = (torch.randn(lay.L, H, I, device="cuda") / H ** 0.5).bfloat16()
+    ref = ref_rowwise(lay, dy, lambda l: w2[l])
+    for num_ctas in (0, 4):
+        dh = _poisoned(lay.R, I)
+        gg.launch_fc2_dgrad(dy, w2, lay.offsets_d, dh, variant=v, num_ctas=num_ctas)
+        torch.cuda.synchronize()
+        _check(f"dh (ctas={num_ctas})", dh, ref, lay, seed)
 
 
 def _ref_wgrad(lay, a, b):
@@ -470,3 +494,32 @@ def test_empty_layout_and_wrappers_under_compile():
     compiled = torch.compile(ffn, fullgraph=True, backend="aot_eager")(x, w1, w2, lay.offsets_d, lay.counts_d, rw)
     torch.cuda.synchronize()
     assert torch.equal(eager[:lay.R_pad], compiled[:lay.R_pad])
+
+
+@pytest.mark.gpu
+def test_mc_variants_match_single_cta_bitwise():
+    """Clusters of two sharing B by multicast compute every tile exactly as one CTA does: the
+    same K order, so the same bits, at a real shape with odd row-block counts (a CTA of a pair
+    then has no tile to store)."""
+    seed = _seed()
+    H, I = 7168, 2048
+    lay = Layout([3000, 0, 170, 1, 680, 0, 129, 64], 128)
+    x, w1, w2, rw = _inputs(lay, H, I, padding="zero")
+    R = lay.R_pad
+    one, two = gg.Variant(128, 256, True, False), gg.Variant(128, 256, True, True)
+    outs = []
+    for v in (one, two):
+        h, gu = _poisoned(lay.R, I), _poisoned(lay.R, 2 * I)
+        gg.launch_fc1_swiglu(x, w1, lay.offsets_d, lay.counts_d, rw, h, gu, variant=v)
+        y = _poisoned(lay.R, H)
+        gg.launch_fc2(h, w2, lay.offsets_d, y, variant=v)
+        dx = _poisoned(lay.R, H)
+        gg.launch_fc1_dgrad(gu, w1, lay.offsets_d, dx, variant=v)
+        dh = _poisoned(lay.R, I)
+        gg.launch_fc2_dgrad(y, w2, lay.offsets_d, dh, variant=v)
+        outs.append((h, gu, y, dx, dh))
+    torch.cuda.synchronize()
+    for name, a, b in zip(("h", "gu", "y", "dx", "dh"), *outs):
+        assert not torch.isnan(b[:R]).any(), f"{name}: unwritten rows with multicast (seed {seed})"
+        assert torch.isnan(b[R:]).all(), f"{name}: rows beyond R_pad written with multicast (seed {seed})"
+        assert torch.equal(a[:R], b[:R]), f"{name}: multicast differs from one CTA (seed {seed})"

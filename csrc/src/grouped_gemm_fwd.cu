@@ -11,11 +11,11 @@ using namespace mok::gemm;
 
 namespace {
 
-template <int BM, int WGN, bool kTma>
+template <int BM, int WGN, bool kTma, bool kMc>
 int fc1_swiglu(const void* x, const void* w1, const int32_t* offsets, const int32_t* counts,
                const float* scale, void* h, void* gu, int64_t rows_cap, int L, int H, int I,
                int num_ctas, cudaStream_t stream) {
-  using Cfg = RowCfg<BM, WGN, BLayout::kSwiGLU, kTma>;
+  using Cfg = RowCfg<BM, WGN, BLayout::kSwiGLU, kTma, kMc>;
   using Epi = std::conditional_t<kTma, SwiGLUForwardTmaEpilogue, SwiGLUForwardEpilogue>;
   MOK_REQUIRE(H % kBK == 0 && I % (Cfg::BN / 2) == 0);
   if (rows_cap < BM) return MOK_OK;  // no full row block: the layout is empty
@@ -45,17 +45,17 @@ int fc1_swiglu(const void* x, const void* w1, const int32_t* offsets, const int3
   return launch_row_gemm<Cfg>(p, num_ctas, stream);
 }
 
-template <int BM, int WGN, bool kTma>
+template <int BM, int WGN, bool kTma, bool kMc>
 int fc2(const void* h, const void* w2, const int32_t* offsets, void* y, int64_t rows_cap, int L,
         int H, int I, int num_ctas, cudaStream_t stream) {
-  using Cfg = RowCfg<BM, WGN, BLayout::kKMajor, kTma>;
+  using Cfg = RowCfg<BM, WGN, BLayout::kKMajor, kTma, kMc>;
   using Epi = std::conditional_t<kTma, TmaStoreEpilogue, StoreEpilogue>;
   MOK_REQUIRE(I % kBK == 0 && H % Cfg::BN == 0);
   if (rows_cap < BM) return MOK_OK;  // no full row block: the layout is empty
   RowKernelParams<Epi> p{};
   int rc = encode_map_2d(&p.op.map_a, h, I, rows_cap, kBK, BM);
   if (rc != MOK_OK) return rc;
-  rc = encode_map_2d(&p.op.map_b, w2, I, (uint64_t)L * H, kBK, WGN);
+  rc = encode_map_2d(&p.op.map_b, w2, I, (uint64_t)L * H, kBK, WGN / 2);
   if (rc != MOK_OK) return rc;
   p.op.K = I;
   p.op.N = H;
@@ -83,38 +83,42 @@ bool common_ok(int64_t rows_cap, int L, int H, int I) {
 MOK_API int mok_gemm_fc1_swiglu(const void* x, const void* fc1_weight, const int32_t* offsets,
                                 const int32_t* counts, const float* router_weight, void* h,
                                 void* gu, int64_t rows_cap, int L, int H, int I, int block_m,
-                                int wg_n, int tma_store, int num_ctas, cudaStream_t stream) {
+                                int wg_n, int tma_store, int multicast, int num_ctas,
+                                cudaStream_t stream) {
   MOK_REQUIRE(x && fc1_weight && offsets && counts && h && common_ok(rows_cap, L, H, I));
   MOK_REQUIRE(aligned16(h) && (gu == nullptr || aligned16(gu)));
   if (rows_cap == 0) return MOK_OK;
   if (wg_n == 0) wg_n = 256;
-#define MOK_FC1(BM, WGN, TMA)                                                                    \
-  if (block_m == BM && wg_n == WGN && (tma_store != 0) == TMA)                                  \
-    return fc1_swiglu<BM, WGN, TMA>(x, fc1_weight, offsets, counts, router_weight, h, gu,       \
-                                    rows_cap, L, H, I, num_ctas, stream);
-  MOK_FC1(128, 256, false)
-  MOK_FC1(64, 256, false)
-  MOK_FC1(64, 128, false)
-  MOK_FC1(128, 256, true)
-  MOK_FC1(64, 128, true)
+#define MOK_FC1(BM, WGN, TMA, MC)                                                                \
+  if (block_m == BM && wg_n == WGN && (tma_store != 0) == TMA && (multicast != 0) == MC)        \
+    return fc1_swiglu<BM, WGN, TMA, MC>(x, fc1_weight, offsets, counts, router_weight, h, gu,   \
+                                        rows_cap, L, H, I, num_ctas, stream);
+  MOK_FC1(128, 256, false, false)
+  MOK_FC1(64, 256, false, false)
+  MOK_FC1(64, 128, false, false)
+  MOK_FC1(128, 256, true, false)
+  MOK_FC1(64, 128, true, false)
+  MOK_FC1(128, 256, false, true)
+  MOK_FC1(128, 256, true, true)
 #undef MOK_FC1
   return MOK_ERR_UNSUPPORTED;
 }
 
 MOK_API int mok_gemm_fc2(const void* h, const void* fc2_weight, const int32_t* offsets, void* y,
                          int64_t rows_cap, int L, int H, int I, int block_m, int wg_n,
-                         int tma_store, int num_ctas, cudaStream_t stream) {
+                         int tma_store, int multicast, int num_ctas, cudaStream_t stream) {
   MOK_REQUIRE(h && fc2_weight && offsets && y && common_ok(rows_cap, L, H, I) && aligned16(y));
   if (rows_cap == 0) return MOK_OK;
   if (wg_n == 0) wg_n = 256;
-#define MOK_FC2(BM, WGN, TMA)                                                                    \
-  if (block_m == BM && wg_n == WGN && (tma_store != 0) == TMA)                                  \
-    return fc2<BM, WGN, TMA>(h, fc2_weight, offsets, y, rows_cap, L, H, I, num_ctas, stream);
-  MOK_FC2(128, 256, false)
-  MOK_FC2(64, 256, false)
-  MOK_FC2(64, 128, false)
-  MOK_FC2(128, 256, true)
-  MOK_FC2(64, 128, true)
+#define MOK_FC2(BM, WGN, TMA, MC)                                                                \
+  if (block_m == BM && wg_n == WGN && (tma_store != 0) == TMA && (multicast != 0) == MC)        \
+    return fc2<BM, WGN, TMA, MC>(h, fc2_weight, offsets, y, rows_cap, L, H, I, num_ctas, stream);
+  MOK_FC2(128, 256, false, false)
+  MOK_FC2(64, 256, false, false)
+  MOK_FC2(64, 128, false, false)
+  MOK_FC2(128, 256, true, false)
+  MOK_FC2(64, 128, true, false)
+  MOK_FC2(128, 256, true, true)
 #undef MOK_FC2
   return MOK_ERR_UNSUPPORTED;
 }

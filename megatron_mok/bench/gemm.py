@@ -182,13 +182,17 @@ class Case:
         self.scratch = torch.empty(max(1, gg.dgrad_scratch_floats(R, I)), dtype=torch.float32, device=dev)
 
 
+MULTICAST = "include"  # set from --multicast: include, exclude or only
+
+
 def variants(kernel: str, tile: int):
-    """The built (block_m, wg_n, tma_store) variants of ``kernel`` that take a ``tile`` layout."""
-    return [v for v in sorted(gg.VARIANTS[kernel]) if tile % v[0] == 0]
+    """The built variants of ``kernel`` that take a ``tile`` layout (filtered by --multicast)."""
+    keep = {"include": lambda v: True, "exclude": lambda v: not v.multicast, "only": lambda v: v.multicast}[MULTICAST]
+    return [v for v in sorted(gg.VARIANTS[kernel]) if tile % v.block_m == 0 and keep(v)]
 
 
 def vname(v) -> str:
-    return f"m{v[0]}n{v[1]}" + ("t" if v[2] else "")
+    return f"m{v.block_m}n{v.wg_n}" + ("t" if v.tma_store else "") + ("c" if v.multicast else "")
 
 
 def run_case(c: Case, label: dict, sw, rows_out: List[Row], wgrad_fp32: bool) -> None:
@@ -218,26 +222,30 @@ def run_case(c: Case, label: dict, sw, rows_out: List[Row], wgrad_fp32: bool) ->
             torch._grouped_mm(c.x, c.w1.transpose(1, 2), offs=c.ends))
     ours, err = {}, 0.0
     for v in variants("fc1", c.tile):
-        f = lambda: gg.launch_fc1_swiglu(c.x, c.w1, c.offsets, c.counts_d, c.rw, c.h, c.gu,  # noqa: E731
-                                         block_m=v[0], wg_n=v[1], tma_store=v[2])
+        f = lambda: gg.launch_fc1_swiglu(c.x, c.w1, c.offsets, c.counts_d, c.rw, c.h, c.gu, variant=v)  # noqa: E731
         f()
         err = max(err, rel_err(c.h * real, h_t * real), rel_err(c.gu * real, gu_t * real))
         ours[vname(v)] = time_ms(f)
     t_mm = time_ms(lambda: torch._grouped_mm(c.x, c.w1.transpose(1, 2), offs=c.ends))
-    add("fc1+swiglu", 2 * R_real * 2 * I * H, c.R * H * 2 + w_bytes1 + c.R * 3 * I * 2, ours, t_mm,
-        time_ms(sep), err)
+    if ours:
+        add("fc1+swiglu", 2 * R_real * 2 * I * H, c.R * H * 2 + w_bytes1 + c.R * 3 * I * 2, ours, t_mm,
+            time_ms(sep), err)
+    else:  # no variant of this filter takes the layout: the other kernels still need gu and h
+        gg.launch_fc1_swiglu(c.x, c.w1, c.offsets, c.counts_d, c.rw, c.h, c.gu,
+                             variant=gg.DEFAULTS["fc1"][c.tile])
     del gu_t
 
     # ---- fc2
     y_t = torch._grouped_mm(c.h, c.w2.transpose(1, 2), offs=c.ends)
     ours, err = {}, 0.0
     for v in variants("fc2", c.tile):
-        f = lambda: gg.launch_fc2(c.h, c.w2, c.offsets, c.y, block_m=v[0], wg_n=v[1], tma_store=v[2])  # noqa: E731
+        f = lambda: gg.launch_fc2(c.h, c.w2, c.offsets, c.y, variant=v)  # noqa: E731
         f()
         err = max(err, rel_err(c.y * real, y_t * real))
         ours[vname(v)] = time_ms(f)
-    add("fc2", 2 * R_real * H * I, c.R * I * 2 + w_bytes2 + c.R * H * 2, ours,
-        time_ms(lambda: torch._grouped_mm(c.h, c.w2.transpose(1, 2), offs=c.ends)), None, err)
+    if ours:
+        add("fc2", 2 * R_real * H * I, c.R * I * 2 + w_bytes2 + c.R * H * 2, ours,
+            time_ms(lambda: torch._grouped_mm(c.h, c.w2.transpose(1, 2), offs=c.ends)), None, err)
     del y_t
 
     # ---- fc2 dgrad + SwiGLU backward (+ router-weight gradient, + h for the fc2 wgrad)
@@ -248,28 +256,45 @@ def run_case(c: Case, label: dict, sw, rows_out: List[Row], wgrad_fp32: bool) ->
     else:
         dgu_t, dw_t, sep = None, None, None
     ours, err = {}, 0.0
-    for v in variants("fc2_dgrad", c.tile):
+    for v in variants("fc2_dgrad_swiglu", c.tile):
         f = lambda: gg.launch_fc2_dgrad_swiglu(c.dy, c.w2, c.gu, c.offsets, c.counts_d, c.rw, c.dgu, c.h2,  # noqa: E731
-                                               c.dw, c.scratch, block_m=v[0])
+                                               c.dw, c.scratch, variant=v)
         f()
         if dgu_t is not None:
             err = max(err, rel_err(c.dgu * real, dgu_t * real), rel_err(c.dw * c.real, dw_t * c.real))
         ours[vname(v)] = time_ms(f)
-    add("fc2dgrad+swiglu", 2 * R_real * H * I, c.R * (H + 2 * I) * 2 + w_bytes2 + c.R * 3 * I * 2, ours,
-        time_ms(lambda: torch._grouped_mm(c.dy, c.w2, offs=c.ends)), time_ms(sep) if sep else None, err)
+    if ours:
+        add("fc2dgrad+swiglu", 2 * R_real * H * I, c.R * (H + 2 * I) * 2 + w_bytes2 + c.R * 3 * I * 2, ours,
+            time_ms(lambda: torch._grouped_mm(c.dy, c.w2, offs=c.ends)), time_ms(sep) if sep else None, err)
+    # ---- the plain fc2 dgrad (for a separate SwiGLU backward)
+    ours, err = {}, 0.0
+    for v in variants("dgrad", c.tile):
+        f = lambda: gg.launch_fc2_dgrad(c.dy, c.w2, c.offsets, c.h2, variant=v)  # noqa: E731
+        f()
+        err = max(err, rel_err(c.h2 * real, g_t * real))
+        ours[vname(v)] = time_ms(f)
+    if ours:
+        add("fc2dgrad", 2 * R_real * H * I, c.R * H * 2 + w_bytes2 + c.R * I * 2, ours,
+            time_ms(lambda: torch._grouped_mm(c.dy, c.w2, offs=c.ends)), None, err)
+    # the fc2 weight gradient below takes h from the fused kernel, as the backend would
+    gg.launch_fc2_dgrad_swiglu(c.dy, c.w2, c.gu, c.offsets, c.counts_d, c.rw, c.dgu, c.h2, c.dw, c.scratch,
+                               variant=gg.DEFAULTS["fc2_dgrad_swiglu"][c.tile])
     del g_t, dgu_t, dw_t
 
     # ---- fc1 dgrad
     dx_t = torch._grouped_mm(c.dgu, c.w1, offs=c.ends)
     ours, err = {}, 0.0
-    for v in variants("fc1_dgrad", c.tile):
-        f = lambda: gg.launch_fc1_dgrad(c.dgu, c.w1, c.offsets, c.dx, block_m=v[0], wg_n=v[1], tma_store=v[2])  # noqa: E731
+    for v in variants("dgrad", c.tile):
+        f = lambda: gg.launch_fc1_dgrad(c.dgu, c.w1, c.offsets, c.dx, variant=v)  # noqa: E731
         f()
         err = max(err, rel_err(c.dx * real, dx_t * real))
         ours[vname(v)] = time_ms(f)
-    add("fc1dgrad", 2 * R_real * 2 * I * H, c.R * 2 * I * 2 + w_bytes1 + c.R * H * 2, ours,
-        time_ms(lambda: torch._grouped_mm(c.dgu, c.w1, offs=c.ends)), None, err)
+    if ours:
+        add("fc1dgrad", 2 * R_real * 2 * I * H, c.R * 2 * I * 2 + w_bytes1 + c.R * H * 2, ours,
+            time_ms(lambda: torch._grouped_mm(c.dgu, c.w1, offs=c.ends)), None, err)
     del dx_t
+    if MULTICAST == "only":
+        return  # the weight gradients have no multicast variant
 
     # ---- weight gradients (bf16 out), then fc1's accumulated into fp32 main_grad
     for name, a, b in (("fc1wgrad", c.dgu, c.x), ("fc2wgrad", c.dy, c.h2)):
@@ -306,8 +331,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later configs are skipped")
     ap.add_argument("--fp32-wgrad-max-gb", type=float, default=24.0,
                     help="run the fp32 main_grad accumulation when the fp32 gradient fits this size")
+    ap.add_argument("--multicast", choices=("include", "exclude", "only"), default="include",
+                    help="which kernel variants to time: with or without the cluster-multicast ones")
     ap.add_argument("--out", default=None, help="write one JSON object per result line here")
     args = ap.parse_args(argv)
+    global MULTICAST
+    MULTICAST = args.multicast
     if not torch.cuda.is_available():
         print("no CUDA GPU: the grouped GEMM benchmark needs an sm_90 GPU", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ benchmarks that poison or reuse outputs).
 from __future__ import annotations
 
 import ctypes
-from typing import Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -32,19 +32,40 @@ MAX_EXPERTS = 1024
 """Local experts one launch takes (per-CTA tables in shared memory)."""
 
 
-# Built kernel variants (block_m, wg_n, tma_store) per GEMM, and the default per layout padding
+
+
+class Variant(NamedTuple):
+    """A built kernel variant: the row-block height, the B columns per consumer warpgroup, TMA
+    bulk stores through shared memory (else direct stores), clusters of two CTAs sharing B by
+    TMA multicast."""
+
+    block_m: int
+    wg_n: int
+    tma_store: bool
+    multicast: bool
+
+
+def _v(*rows):
+    return frozenset(Variant(*r) for r in rows)
+
+
+# Built variants per GEMM (csrc/include/mok/grouped_gemm.h), and the default per layout padding
 # (tile_rows), chosen from the benchmark (docs/perf-notes.md).
 VARIANTS = {
-    "fc1": {(128, 256, False), (64, 256, False), (64, 128, False), (128, 256, True), (64, 128, True)},
-    "fc2": {(128, 256, False), (64, 256, False), (64, 128, False), (128, 256, True), (64, 128, True)},
-    "fc2_dgrad": {(128, 256, False), (64, 256, False)},
-    "fc1_dgrad": {(128, 256, False), (64, 256, False), (128, 256, True), (64, 128, True)},
+    "fc1": _v((128, 256, False, False), (64, 256, False, False), (64, 128, False, False),
+              (128, 256, True, False), (64, 128, True, False), (128, 256, False, True),
+              (128, 256, True, True)),
+    "fc2": _v((128, 256, False, False), (64, 256, False, False), (64, 128, False, False),
+              (128, 256, True, False), (64, 128, True, False), (128, 256, True, True)),
+    "fc2_dgrad_swiglu": _v((128, 256, False, False), (64, 256, False, False), (128, 256, False, True)),
+    "dgrad": _v((128, 256, False, False), (64, 256, False, False), (128, 256, True, False),
+                (64, 128, True, False), (128, 256, True, True)),
 }
 DEFAULTS = {
-    "fc1": {128: (128, 256, False), 64: (64, 256, False)},
-    "fc2": {128: (128, 256, True), 64: (64, 128, True)},
-    "fc2_dgrad": {128: (128, 256, False), 64: (64, 256, False)},
-    "fc1_dgrad": {128: (128, 256, False), 64: (64, 256, False)},
+    "fc1": {128: Variant(128, 256, True, False), 64: Variant(64, 128, False, False)},
+    "fc2": {128: Variant(128, 256, True, False), 64: Variant(64, 128, True, False)},
+    "fc2_dgrad_swiglu": {128: Variant(128, 256, False, False), 64: Variant(64, 256, False, False)},
+    "dgrad": {128: Variant(128, 256, True, False), 64: Variant(64, 128, True, False)},
 }
 WGRAD_TMA_STORE = True
 """Default epilogue of the bf16 weight gradients (the fp32 ones always store directly)."""
@@ -58,14 +79,15 @@ def _lib():
     lib = load_library()
     return lib, {
         "fc1": lib.function("mok_gemm_fc1_swiglu", _i,
-                            [_v, _v, _v, _v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _v]),
-        "fc2": lib.function("mok_gemm_fc2", _i, [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _v]),
+                            [_v, _v, _v, _v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _i, _v]),
+        "fc2": lib.function("mok_gemm_fc2", _i, [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _i, _v]),
         "scratch": lib.function("mok_gemm_fc2_dgrad_scratch_floats", _i64, [_i64, _i]),
-        "fc2_dgrad": lib.function("mok_gemm_fc2_dgrad_swiglu", _i,
-                                  [_v, _v, _v, _v, _v, _v, _v, _v, _v, _v, _i64, _i, _i, _i, _i, _i,
-                                   _v]),
+        "fc2_dgrad_swiglu": lib.function("mok_gemm_fc2_dgrad_swiglu", _i,
+                                         [_v] * 10 + [_i64, _i, _i, _i, _i, _i, _i, _v]),
+        "fc2_dgrad": lib.function("mok_gemm_fc2_dgrad", _i,
+                                  [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _i, _v]),
         "fc1_dgrad": lib.function("mok_gemm_fc1_dgrad", _i,
-                                  [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _v]),
+                                  [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _i, _v]),
         "wgrad": lib.function("mok_gemm_weight_grad", _i,
                               [_v, _v, _v, _v, _i, _i, _i, _i64, _i, _i, _i, _i, _v]),
     }
@@ -105,24 +127,23 @@ def _check_layout(offsets: torch.Tensor, counts: Optional[torch.Tensor], L: int,
 
 
 def variant(kernel: str, tile_rows: int, block_m: Optional[int] = None, wg_n: Optional[int] = None,
-            tma_store: Optional[bool] = None) -> Tuple[int, int, bool]:
-    """The (block_m, wg_n, tma_store) to launch ``kernel`` with on a layout padded to
-    ``tile_rows``: the defaults of :data:`DEFAULTS`, overridden by the arguments not None."""
+            tma_store: Optional[bool] = None, multicast: Optional[bool] = None) -> Variant:
+    """The variant to launch ``kernel`` ("fc1", "fc2", "fc2_dgrad_swiglu" or "dgrad") with on a
+    layout padded to ``tile_rows``: the default of :data:`DEFAULTS`, with the arguments that are
+    not None replacing its fields (a block_m other than the default's starts from wg_n 256,
+    direct stores, no multicast)."""
     if tile_rows not in (64, 128):
         _fail(f"tile_rows = {tile_rows}: the grouped GEMMs take layouts padded to 64 or 128 rows")
-    bm, wn, tma = DEFAULTS[kernel][tile_rows]
-    if block_m is not None and block_m != bm:
-        bm = block_m
-        if (bm, wn, tma) not in VARIANTS[kernel]:
-            wn, tma = 256, False
-    wn = wn if wg_n is None else wg_n
-    tma = tma if tma_store is None else bool(tma_store)
-    if bm not in (64, 128) or tile_rows % bm:
-        _fail(f"block_m = {bm} must be 64 or 128 and divide tile_rows = {tile_rows}")
-    if (bm, wn, tma) not in VARIANTS[kernel]:
-        _fail(f"{kernel}: (block_m, wg_n, tma_store) = {(bm, wn, tma)} is not built; built: "
-              f"{sorted(VARIANTS[kernel])}")
-    return bm, wn, tma
+    v = DEFAULTS[kernel][tile_rows]
+    if block_m is not None and block_m != v.block_m:
+        v = Variant(block_m, 256, False, False)
+    v = Variant(v.block_m, v.wg_n if wg_n is None else wg_n, v.tma_store if tma_store is None else bool(tma_store),
+                v.multicast if multicast is None else bool(multicast))
+    if v.block_m not in (64, 128) or tile_rows % v.block_m:
+        _fail(f"block_m = {v.block_m} must be 64 or 128 and divide tile_rows = {tile_rows}")
+    if v not in VARIANTS[kernel]:
+        _fail(f"{kernel}: {v} is not built; built: {sorted(VARIANTS[kernel])}")
+    return v
 
 
 def _check_multiple(what: str, value: int, mult: int, why: str) -> None:
@@ -138,8 +159,8 @@ def _router_weight(rw: Optional[torch.Tensor], R: int, device) -> None:
 
 
 def check_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, tile_rows, block_m=None, wg_n=None,
-                     tma_store=None) -> Tuple[int, int, bool]:
-    """Validate :func:`fc1_swiglu`'s arguments; returns the (block_m, wg_n, tma_store) to launch."""
+                     tma_store=None, multicast=None) -> Variant:
+    """Validate :func:`fc1_swiglu`'s arguments; returns the variant to launch."""
     _check_matrix("x", x, torch.bfloat16, 2, None)
     _check_matrix("fc1_weight", fc1_weight, torch.bfloat16, 3, x.device)
     R, H = x.shape
@@ -148,14 +169,15 @@ def check_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, tile_rows, b
         _fail(f"fc1_weight must be [L, 2I, H={H}], got {tuple(fc1_weight.shape)}")
     _check_layout(offsets, counts, L, x.device)
     _router_weight(router_weight, R, x.device)
-    v = bm, wn, _ = variant("fc1", tile_rows, block_m, wg_n, tma_store)
+    v = variant("fc1", tile_rows, block_m, wg_n, tma_store, multicast)
     _check_multiple("H", H, 64, "the K step of the kernels")
-    _check_multiple("I", two_i // 2, wn * 64 // bm, f"h columns of a {bm}-row tile")
+    _check_multiple("I", two_i // 2, v.wg_n * 64 // v.block_m, f"h columns of a {v.block_m}-row tile")
     return v
 
 
-def check_fc2(h, fc2_weight, offsets, tile_rows, block_m=None, wg_n=None, tma_store=None) -> Tuple[int, int, bool]:
-    """Validate :func:`fc2`'s arguments; returns the (block_m, wg_n, tma_store) to launch."""
+def check_fc2(h, fc2_weight, offsets, tile_rows, block_m=None, wg_n=None, tma_store=None,
+              multicast=None) -> Variant:
+    """Validate :func:`fc2`'s arguments; returns the variant to launch."""
     _check_matrix("h", h, torch.bfloat16, 2, None)
     _check_matrix("fc2_weight", fc2_weight, torch.bfloat16, 3, h.device)
     R, I = h.shape
@@ -163,15 +185,15 @@ def check_fc2(h, fc2_weight, offsets, tile_rows, block_m=None, wg_n=None, tma_st
     if I1 != I:
         _fail(f"fc2_weight must be [L, H, I={I}], got {tuple(fc2_weight.shape)}")
     _check_layout(offsets, None, L, h.device)
-    v = bm, wn, _ = variant("fc2", tile_rows, block_m, wg_n, tma_store)
+    v = variant("fc2", tile_rows, block_m, wg_n, tma_store, multicast)
     _check_multiple("I", I, 64, "the K step of the kernels")
-    _check_multiple("H", H, wn * 128 // bm, f"columns of a {bm}-row tile")
+    _check_multiple("H", H, v.wg_n * 128 // v.block_m, f"columns of a {v.block_m}-row tile")
     return v
 
 
 def check_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, tile_rows,
-                           block_m=None) -> int:
-    """Validate :func:`fc2_dgrad_swiglu`'s arguments; returns the block_m to launch with."""
+                           block_m=None, multicast=None) -> Variant:
+    """Validate :func:`fc2_dgrad_swiglu`'s arguments; returns the variant to launch."""
     _check_matrix("dy", dy, torch.bfloat16, 2, None)
     _check_matrix("fc2_weight", fc2_weight, torch.bfloat16, 3, dy.device)
     _check_matrix("gu", gu, torch.bfloat16, 2, dy.device)
@@ -183,15 +205,31 @@ def check_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, t
         _fail(f"gu must be [R={R}, 2I={2 * I}], got {tuple(gu.shape)}")
     _check_layout(offsets, counts, L, dy.device)
     _router_weight(router_weight, R, dy.device)
-    bm, _, _ = variant("fc2_dgrad", tile_rows, block_m)
+    v = variant("fc2_dgrad_swiglu", tile_rows, block_m, multicast=multicast)
     _check_multiple("H", H, 64, "the K step of the kernels")
-    _check_multiple("I", I, 256 * 128 // bm, f"columns of a {bm}-row tile")
-    return bm
+    _check_multiple("I", I, 256 * 128 // v.block_m, f"columns of a {v.block_m}-row tile")
+    return v
 
 
-def check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m=None, wg_n=None,
-                    tma_store=None) -> Tuple[int, int, bool]:
-    """Validate :func:`fc1_dgrad`'s arguments; returns the (block_m, wg_n, tma_store) to launch."""
+def check_fc2_dgrad(dy, fc2_weight, offsets, tile_rows, block_m=None, wg_n=None, tma_store=None,
+                    multicast=None) -> Variant:
+    """Validate :func:`fc2_dgrad`'s arguments; returns the variant to launch."""
+    _check_matrix("dy", dy, torch.bfloat16, 2, None)
+    _check_matrix("fc2_weight", fc2_weight, torch.bfloat16, 3, dy.device)
+    H = dy.shape[1]
+    L, H1, I = fc2_weight.shape
+    if H1 != H:
+        _fail(f"fc2_weight must be [L, H={H}, I], got {tuple(fc2_weight.shape)}")
+    _check_layout(offsets, None, L, dy.device)
+    v = variant("dgrad", tile_rows, block_m, wg_n, tma_store, multicast)
+    _check_multiple("H", H, 64, "the K step of the kernels")
+    _check_multiple("I", I, v.wg_n * 128 // v.block_m, f"columns of a {v.block_m}-row tile")
+    return v
+
+
+def check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m=None, wg_n=None, tma_store=None,
+                    multicast=None) -> Variant:
+    """Validate :func:`fc1_dgrad`'s arguments; returns the variant to launch."""
     _check_matrix("dgu", dgu, torch.bfloat16, 2, None)
     _check_matrix("fc1_weight", fc1_weight, torch.bfloat16, 3, dgu.device)
     R, two_i = dgu.shape
@@ -199,9 +237,9 @@ def check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m=None, wg_n=None
     if two_i1 != two_i:
         _fail(f"fc1_weight must be [L, 2I={two_i}, H], got {tuple(fc1_weight.shape)}")
     _check_layout(offsets, None, L, dgu.device)
-    v = bm, wn, _ = variant("fc1_dgrad", tile_rows, block_m, wg_n, tma_store)
+    v = variant("dgrad", tile_rows, block_m, wg_n, tma_store, multicast)
     _check_multiple("2I", two_i, 64, "the K step of the kernels")
-    _check_multiple("H", H, wn * 128 // bm, f"columns of a {bm}-row tile")
+    _check_multiple("H", H, v.wg_n * 128 // v.block_m, f"columns of a {v.block_m}-row tile")
     return v
 
 
@@ -226,25 +264,28 @@ def check_weight_grad(a, b, offsets, out=None) -> None:
 
 # ---- launchers (write into given outputs) ----------------------------------------------------
 
-def launch_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, h, gu, *, block_m: int,
-                      wg_n: int = 256, tma_store: bool = False, num_ctas: int = 0) -> None:
+def _vargs(v: Variant):
+    return int(v.block_m), int(v.wg_n), int(bool(v.tma_store)), int(bool(v.multicast))
+
+
+def launch_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, h, gu, *, variant: Variant,
+                      num_ctas: int = 0) -> None:
     """Run fc1 + SwiGLU into ``h`` (bf16 [R, I]) and, if not None, ``gu`` (bf16 [R, 2I])."""
     lib, fns = _lib()
     R, H = x.shape
     L, two_i, _ = fc1_weight.shape
     code = fns["fc1"](ptr(x), ptr(fc1_weight), ptr(offsets), ptr(counts), ptr(router_weight), ptr(h),
-                      ptr(gu), R, L, H, two_i // 2, block_m, wg_n, int(tma_store), num_ctas, stream_of(x))
+                      ptr(gu), R, L, H, two_i // 2, *_vargs(variant), num_ctas, stream_of(x))
     lib.check(code, "mok_gemm_fc1_swiglu")
 
 
-def launch_fc2(h, fc2_weight, offsets, y, *, block_m: int, wg_n: int = 256, tma_store: bool = False,
-               num_ctas: int = 0) -> None:
+def launch_fc2(h, fc2_weight, offsets, y, *, variant: Variant, num_ctas: int = 0) -> None:
     """Run fc2 into ``y`` (bf16 [R, H])."""
     lib, fns = _lib()
     R, I = h.shape
     L, H, _ = fc2_weight.shape
-    code = fns["fc2"](ptr(h), ptr(fc2_weight), ptr(offsets), ptr(y), R, L, H, I, block_m, wg_n, int(tma_store),
-                      num_ctas, stream_of(h))
+    code = fns["fc2"](ptr(h), ptr(fc2_weight), ptr(offsets), ptr(y), R, L, H, I, *_vargs(variant), num_ctas,
+                      stream_of(h))
     lib.check(code, "mok_gemm_fc2")
 
 
@@ -255,34 +296,44 @@ def dgrad_scratch_floats(rows: int, inter: int) -> int:
 
 
 def launch_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, dgu, h_out,
-                            d_router_weight, scratch, *, block_m: int, num_ctas: int = 0) -> None:
+                            d_router_weight, scratch, *, variant: Variant, num_ctas: int = 0) -> None:
     """Run the fc2 data gradient + SwiGLU backward into ``dgu`` (bf16 [R, 2I]), ``h_out`` (bf16
     [R, I] or None) and ``d_router_weight`` (fp32 [R], with ``scratch`` fp32
     [dgrad_scratch_floats(R, I)], both None without a router weight)."""
     lib, fns = _lib()
     R, H = dy.shape
     L, _, I = fc2_weight.shape
-    code = fns["fc2_dgrad"](ptr(dy), ptr(fc2_weight), ptr(gu), ptr(offsets), ptr(counts), ptr(router_weight),
-                            ptr(dgu), ptr(h_out), ptr(d_router_weight), ptr(scratch), R, L, H, I, block_m,
-                            num_ctas, stream_of(dy))
+    code = fns["fc2_dgrad_swiglu"](ptr(dy), ptr(fc2_weight), ptr(gu), ptr(offsets), ptr(counts),
+                                   ptr(router_weight), ptr(dgu), ptr(h_out), ptr(d_router_weight), ptr(scratch),
+                                   R, L, H, I, int(variant.block_m), int(bool(variant.multicast)), num_ctas,
+                                   stream_of(dy))
     lib.check(code, "mok_gemm_fc2_dgrad_swiglu")
 
 
-def launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, *, block_m: int, wg_n: int = 256, tma_store: bool = False,
-                     num_ctas: int = 0) -> None:
+def launch_fc2_dgrad(dy, fc2_weight, offsets, dh, *, variant: Variant, num_ctas: int = 0) -> None:
+    """Run the plain fc2 data gradient dh = dy D_e into ``dh`` (bf16 [R, I])."""
+    lib, fns = _lib()
+    R, H = dy.shape
+    L, _, I = fc2_weight.shape
+    code = fns["fc2_dgrad"](ptr(dy), ptr(fc2_weight), ptr(offsets), ptr(dh), R, L, H, I, *_vargs(variant),
+                            num_ctas, stream_of(dy))
+    lib.check(code, "mok_gemm_fc2_dgrad")
+
+
+def launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, *, variant: Variant, num_ctas: int = 0) -> None:
     """Run the fc1 data gradient into ``dx`` (bf16 [R, H])."""
     lib, fns = _lib()
     R, two_i = dgu.shape
     L, _, H = fc1_weight.shape
-    code = fns["fc1_dgrad"](ptr(dgu), ptr(fc1_weight), ptr(offsets), ptr(dx), R, L, H, two_i // 2, block_m,
-                            wg_n, int(tma_store), num_ctas, stream_of(dgu))
+    code = fns["fc1_dgrad"](ptr(dgu), ptr(fc1_weight), ptr(offsets), ptr(dx), R, L, H, two_i // 2,
+                            *_vargs(variant), num_ctas, stream_of(dgu))
     lib.check(code, "mok_gemm_fc1_dgrad")
 
 
 def launch_weight_grad(a, b, offsets, out, *, accumulate: bool = False, tma_store: Optional[bool] = None,
                        num_ctas: int = 0) -> None:
     """out[e] (+)= a_e^T b_e over expert e's rows; ``out`` fp32 or bf16 [L, M, N].
-    ``tma_store`` (bf16 out only) defaults to True for bf16."""
+    ``tma_store`` (bf16 out only) defaults to :data:`WGRAD_TMA_STORE` for bf16."""
     lib, fns = _lib()
     R, M = a.shape
     N = b.shape[1]
@@ -290,19 +341,19 @@ def launch_weight_grad(a, b, offsets, out, *, accumulate: bool = False, tma_stor
     out_bf16 = out.dtype == torch.bfloat16
     if out_bf16 and accumulate:
         _fail("accumulating weight gradients needs an fp32 output (main_grad)")
-    tma = out_bf16 if tma_store is None else bool(tma_store)
+    tma = (out_bf16 and WGRAD_TMA_STORE) if tma_store is None else bool(tma_store)
     code = fns["wgrad"](ptr(a), ptr(b), ptr(offsets), ptr(out), int(out_bf16), int(accumulate), int(tma), R, L,
                         M, N, num_ctas, stream_of(a))
     lib.check(code, "mok_gemm_weight_grad")
 
 
 # ---- custom ops ------------------------------------------------------------------------------
+# The variant travels as four ints (block_m, wg_n, tma_store, multicast).
 
 @torch.library.custom_op("mok::gemm_fc1_swiglu", mutates_args=())
 def gemm_fc1_swiglu_op(x: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor,
-                       counts: torch.Tensor, router_weight: Optional[torch.Tensor], block_m: int,
-                       wg_n: int, tma_store: bool, save_preact: bool,
-                       num_ctas: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                       counts: torch.Tensor, router_weight: Optional[torch.Tensor], variant: List[int],
+                       save_preact: bool, num_ctas: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """h = silu(x G^T) * (x U^T) [* router_weight] per expert; see :func:`fc1_swiglu`.
 
     Returns h bf16 [R, I] and gu bf16 [R, 2I] (the pre-activation; [0, 2I] unless save_preact).
@@ -312,33 +363,33 @@ def gemm_fc1_swiglu_op(x: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch
     h = x.new_empty((R, two_i // 2))
     gu = x.new_empty((R if save_preact else 0, two_i))
     launch_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, h, gu if save_preact else None,
-                      block_m=block_m, wg_n=wg_n, tma_store=tma_store, num_ctas=num_ctas)
+                      variant=Variant(*variant), num_ctas=num_ctas)
     return h, gu
 
 
 @gemm_fc1_swiglu_op.register_fake
-def _(x, fc1_weight, offsets, counts, router_weight, block_m, wg_n, tma_store, save_preact, num_ctas):
+def _(x, fc1_weight, offsets, counts, router_weight, variant, save_preact, num_ctas):
     R, two_i = x.shape[0], fc1_weight.shape[1]
     return x.new_empty((R, two_i // 2)), x.new_empty((R if save_preact else 0, two_i))
 
 
 @torch.library.custom_op("mok::gemm_fc2", mutates_args=())
-def gemm_fc2_op(h: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, block_m: int, wg_n: int,
-                tma_store: bool, num_ctas: int) -> torch.Tensor:
+def gemm_fc2_op(h: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, variant: List[int],
+                num_ctas: int) -> torch.Tensor:
     """y = h D^T per expert (bf16 [R, H]); see :func:`fc2`."""
     y = h.new_empty((h.shape[0], fc2_weight.shape[1]))
-    launch_fc2(h, fc2_weight, offsets, y, block_m=block_m, wg_n=wg_n, tma_store=tma_store, num_ctas=num_ctas)
+    launch_fc2(h, fc2_weight, offsets, y, variant=Variant(*variant), num_ctas=num_ctas)
     return y
 
 
 @gemm_fc2_op.register_fake
-def _(h, fc2_weight, offsets, block_m, wg_n, tma_store, num_ctas):
+def _(h, fc2_weight, offsets, variant, num_ctas):
     return h.new_empty((h.shape[0], fc2_weight.shape[1]))
 
 
 @torch.library.custom_op("mok::gemm_fc2_dgrad_swiglu", mutates_args=())
 def gemm_fc2_dgrad_swiglu_op(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tensor, offsets: torch.Tensor,
-                             counts: torch.Tensor, router_weight: Optional[torch.Tensor], block_m: int,
+                             counts: torch.Tensor, router_weight: Optional[torch.Tensor], variant: List[int],
                              want_h: bool, num_ctas: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fc2 data gradient fused with the SwiGLU backward; see :func:`fc2_dgrad_swiglu`.
 
@@ -353,30 +404,43 @@ def gemm_fc2_dgrad_swiglu_op(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: tor
     dw = dy.new_empty((R if weighted else 0,), dtype=torch.float32)
     scratch = dy.new_empty((dgrad_scratch_floats(R, I) if weighted else 0,), dtype=torch.float32)
     launch_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, dgu, h if want_h else None,
-                            dw if weighted else None, scratch if weighted else None, block_m=block_m,
+                            dw if weighted else None, scratch if weighted else None, variant=Variant(*variant),
                             num_ctas=num_ctas)
     return dgu, dw, h
 
 
 @gemm_fc2_dgrad_swiglu_op.register_fake
-def _(dy, fc2_weight, gu, offsets, counts, router_weight, block_m, want_h, num_ctas):
+def _(dy, fc2_weight, gu, offsets, counts, router_weight, variant, want_h, num_ctas):
     R, I = dy.shape[0], fc2_weight.shape[2]
     return (dy.new_empty((R, 2 * I)), dy.new_empty((R if router_weight is not None else 0,), dtype=torch.float32),
             dy.new_empty((R if want_h else 0, I)))
 
 
+@torch.library.custom_op("mok::gemm_fc2_dgrad", mutates_args=())
+def gemm_fc2_dgrad_op(dy: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, variant: List[int],
+                      num_ctas: int) -> torch.Tensor:
+    """dh = dy D per expert (bf16 [R, I]); see :func:`fc2_dgrad`."""
+    dh = dy.new_empty((dy.shape[0], fc2_weight.shape[2]))
+    launch_fc2_dgrad(dy, fc2_weight, offsets, dh, variant=Variant(*variant), num_ctas=num_ctas)
+    return dh
+
+
+@gemm_fc2_dgrad_op.register_fake
+def _(dy, fc2_weight, offsets, variant, num_ctas):
+    return dy.new_empty((dy.shape[0], fc2_weight.shape[2]))
+
+
 @torch.library.custom_op("mok::gemm_fc1_dgrad", mutates_args=())
-def gemm_fc1_dgrad_op(dgu: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, block_m: int,
-                      wg_n: int, tma_store: bool, num_ctas: int) -> torch.Tensor:
+def gemm_fc1_dgrad_op(dgu: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, variant: List[int],
+                      num_ctas: int) -> torch.Tensor:
     """dx = dgu W1 per expert (bf16 [R, H]); see :func:`fc1_dgrad`."""
     dx = dgu.new_empty((dgu.shape[0], fc1_weight.shape[2]))
-    launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, block_m=block_m, wg_n=wg_n, tma_store=tma_store,
-                     num_ctas=num_ctas)
+    launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, variant=Variant(*variant), num_ctas=num_ctas)
     return dx
 
 
 @gemm_fc1_dgrad_op.register_fake
-def _(dgu, fc1_weight, offsets, block_m, wg_n, tma_store, num_ctas):
+def _(dgu, fc1_weight, offsets, variant, num_ctas):
     return dgu.new_empty((dgu.shape[0], fc1_weight.shape[2]))
 
 
@@ -412,6 +476,7 @@ def _(a, b, offsets, main_grad, num_ctas) -> None:
 def fc1_swiglu(x: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
                router_weight: Optional[torch.Tensor] = None, *, tile_rows: int = 128, save_preact: bool = False,
                block_m: Optional[int] = None, wg_n: Optional[int] = None, tma_store: Optional[bool] = None,
+               multicast: Optional[bool] = None,
                num_ctas: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """fc1 of every local expert with the SwiGLU epilogue fused.
 
@@ -423,38 +488,38 @@ def fc1_swiglu(x: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor,
         offsets: int32 [L + 1] on the device, multiples of ``tile_rows``. counts: int32 [L].
         router_weight: fp32 [R] or None (apply the router weight here instead of in combine).
         tile_rows: the padding of the layout (64 or 128). save_preact: also return gu.
-        block_m, wg_n, tma_store: the kernel variant (row-block height, B columns per
-        warpgroup, staged TMA stores); None takes :data:`DEFAULTS` for ``tile_rows``.
-        num_ctas: persistent CTAs, 0 = one per SM.
+        block_m, wg_n, tma_store, multicast: the kernel variant (:class:`Variant`); None takes
+        :data:`DEFAULTS` for ``tile_rows``. num_ctas: persistent CTAs, 0 = as many as fit.
 
     Returns:
         (h bf16 [R, I], gu bf16 [R, 2I] = [x G^T | x U^T] or None).
     """
-    bm, wn, tma = check_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, tile_rows, block_m, wg_n,
-                                   tma_store)
-    h, gu = gemm_fc1_swiglu_op(x, fc1_weight, offsets, counts, router_weight, bm, wn, tma, save_preact, num_ctas)
+    v = check_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, tile_rows, block_m, wg_n, tma_store,
+                         multicast)
+    h, gu = gemm_fc1_swiglu_op(x, fc1_weight, offsets, counts, router_weight, list(_vargs(v)), save_preact,
+                               num_ctas)
     return h, (gu if save_preact else None)
 
 
 def fc2(h: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, *, tile_rows: int = 128,
         block_m: Optional[int] = None, wg_n: Optional[int] = None, tma_store: Optional[bool] = None,
-        num_ctas: int = 0) -> torch.Tensor:
+        multicast: Optional[bool] = None, num_ctas: int = 0) -> torch.Tensor:
     """fc2 of every local expert: y[r] = h[r] D_e^T.
 
     Args:
         h: bf16 [R, I]. fc2_weight: bf16 [L, H, I]. offsets: int32 [L + 1] on the device.
-        tile_rows, block_m, wg_n, tma_store, num_ctas: as in :func:`fc1_swiglu`.
+        tile_rows, block_m, wg_n, tma_store, multicast, num_ctas: as in :func:`fc1_swiglu`.
 
     Returns:
         y bf16 [R, H] (padding rows hold h's padding rows times D_e: zeros for fc1's h).
     """
-    bm, wn, tma = check_fc2(h, fc2_weight, offsets, tile_rows, block_m, wg_n, tma_store)
-    return gemm_fc2_op(h, fc2_weight, offsets, bm, wn, tma, num_ctas)
+    v = check_fc2(h, fc2_weight, offsets, tile_rows, block_m, wg_n, tma_store, multicast)
+    return gemm_fc2_op(h, fc2_weight, offsets, list(_vargs(v)), num_ctas)
 
 
 def fc2_dgrad_swiglu(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tensor, offsets: torch.Tensor,
                      counts: torch.Tensor, router_weight: Optional[torch.Tensor] = None, *, tile_rows: int = 128,
-                     want_h: bool = False, block_m: Optional[int] = None,
+                     want_h: bool = False, block_m: Optional[int] = None, multicast: Optional[bool] = None,
                      num_ctas: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Data gradient of fc2 fused with the SwiGLU backward.
 
@@ -464,34 +529,50 @@ def fc2_dgrad_swiglu(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tenso
     Args:
         dy: bf16 [R, H], gradient of fc2's output rows. fc2_weight: bf16 [L, H, I].
         gu: bf16 [R, 2I], fc1's pre-activation (``fc1_swiglu(..., save_preact=True)``).
-        offsets, counts, router_weight, tile_rows, block_m, num_ctas: as in :func:`fc1_swiglu`
-        (this kernel writes directly, with wg_n 256).
+        offsets, counts, router_weight, tile_rows, block_m, multicast, num_ctas: as in
+        :func:`fc1_swiglu` (this kernel writes directly, with wg_n 256).
         want_h: also return h = w silu(g) u recomputed (the operand of fc2's weight gradient).
 
     Returns:
         (dgu bf16 [R, 2I], d_router_weight fp32 [R] or None, h bf16 [R, I] or None); padding
         rows are 0.
     """
-    bm = check_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, tile_rows, block_m)
-    dgu, dw, h = gemm_fc2_dgrad_swiglu_op(dy, fc2_weight, gu, offsets, counts, router_weight, bm, want_h,
-                                          num_ctas)
+    v = check_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, tile_rows, block_m, multicast)
+    dgu, dw, h = gemm_fc2_dgrad_swiglu_op(dy, fc2_weight, gu, offsets, counts, router_weight, list(_vargs(v)),
+                                          want_h, num_ctas)
     return dgu, (dw if router_weight is not None else None), (h if want_h else None)
+
+
+def fc2_dgrad(dy: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, *, tile_rows: int = 128,
+              block_m: Optional[int] = None, wg_n: Optional[int] = None, tma_store: Optional[bool] = None,
+              multicast: Optional[bool] = None, num_ctas: int = 0) -> torch.Tensor:
+    """Plain data gradient of fc2: dh[r] = dy[r] D_e (for a SwiGLU backward run separately).
+
+    Args:
+        dy: bf16 [R, H]. fc2_weight: bf16 [L, H, I]. offsets, tile_rows, block_m, wg_n,
+        tma_store, multicast, num_ctas: as in :func:`fc1_swiglu`.
+
+    Returns:
+        dh bf16 [R, I].
+    """
+    v = check_fc2_dgrad(dy, fc2_weight, offsets, tile_rows, block_m, wg_n, tma_store, multicast)
+    return gemm_fc2_dgrad_op(dy, fc2_weight, offsets, list(_vargs(v)), num_ctas)
 
 
 def fc1_dgrad(dgu: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, *, tile_rows: int = 128,
               block_m: Optional[int] = None, wg_n: Optional[int] = None, tma_store: Optional[bool] = None,
-              num_ctas: int = 0) -> torch.Tensor:
+              multicast: Optional[bool] = None, num_ctas: int = 0) -> torch.Tensor:
     """Data gradient of fc1: dx[r] = dgu[r] W1_e with W1_e = fc1_weight[e] as [2I, H].
 
     Args:
         dgu: bf16 [R, 2I]. fc1_weight: bf16 [L, 2I, H]. offsets, tile_rows, block_m, wg_n,
-        tma_store, num_ctas: as in :func:`fc1_swiglu`.
+        tma_store, multicast, num_ctas: as in :func:`fc1_swiglu`.
 
     Returns:
         dx bf16 [R, H].
     """
-    bm, wn, tma = check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m, wg_n, tma_store)
-    return gemm_fc1_dgrad_op(dgu, fc1_weight, offsets, bm, wn, tma, num_ctas)
+    v = check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m, wg_n, tma_store, multicast)
+    return gemm_fc1_dgrad_op(dgu, fc1_weight, offsets, list(_vargs(v)), num_ctas)
 
 
 def weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,

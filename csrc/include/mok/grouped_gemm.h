@@ -14,9 +14,17 @@
 // consumer warpgroup, 0 = 256), 128 x 256 for the weight gradients.
 // tma_store: 0 writes each thread's accumulator fragment straight to global memory; 1 stages
 // the tile in shared memory and writes it with TMA bulk stores that overlap the next tile.
-// Built variants (block_m, wg_n, tma_store): fc1/fc2 (128,256,0) (64,256,0) (64,128,0)
-// (128,256,1) (64,128,1); fc1 dgrad (128,256,0) (64,256,0) (128,256,1) (64,128,1); fc2 dgrad
-// (128,256,0) (64,256,0); others return MOK_ERR_UNSUPPORTED.
+// multicast: 1 runs clusters of two CTAs on the two row blocks of a pair (same expert, same
+// columns) that share each B tile through TMA multicast (half the L2 traffic of B).
+// Built variants (block_m, wg_n, tma_store, multicast):
+//   fc1: (128,256,0,0) (64,256,0,0) (64,128,0,0) (128,256,1,0) (64,128,1,0) (128,256,0,1)
+//        (128,256,1,1)
+//   fc2: (128,256,0,0) (64,256,0,0) (64,128,0,0) (128,256,1,0) (64,128,1,0) (128,256,1,1)
+//   fc1 / fc2 plain data gradients: (128,256,0,0) (64,256,0,0) (128,256,1,0) (64,128,1,0)
+//        (128,256,1,1)
+//   fc2 data gradient + SwiGLU backward (wg_n 256, direct stores): block_m 128 or 64, and
+//        128 with multicast
+// Others return MOK_ERR_UNSUPPORTED.
 // num_ctas: persistent CTAs to launch (0: one per SM; fewer leaves SMs to other work).
 // Every function returns MOK_OK, a cudaError_t (> 0) or a MOK_ERR_* code (< 0).
 #pragma once
@@ -31,12 +39,13 @@
 MOK_API int mok_gemm_fc1_swiglu(const void* x, const void* fc1_weight, const int32_t* offsets,
                                 const int32_t* counts, const float* router_weight, void* h,
                                 void* gu, int64_t rows_cap, int L, int H, int I, int block_m,
-                                int wg_n, int tma_store, int num_ctas, cudaStream_t stream);
+                                int wg_n, int tma_store, int multicast, int num_ctas,
+                                cudaStream_t stream);
 
 // y = h D_e^T, bf16. Needs I % 64 == 0 and H % (wg_n * 128 / block_m) == 0.
 MOK_API int mok_gemm_fc2(const void* h, const void* fc2_weight, const int32_t* offsets, void* y,
                          int64_t rows_cap, int L, int H, int I, int block_m, int wg_n,
-                         int tma_store, int num_ctas, cudaStream_t stream);
+                         int tma_store, int multicast, int num_ctas, cudaStream_t stream);
 
 // fp32 elements of the scratch buffer mok_gemm_fc2_dgrad_swiglu needs (router-weight partials).
 MOK_API int64_t mok_gemm_fc2_dgrad_scratch_floats(int64_t rows_cap, int I);
@@ -53,14 +62,22 @@ MOK_API int mok_gemm_fc2_dgrad_swiglu(const void* dy, const void* fc2_weight, co
                                       const int32_t* offsets, const int32_t* counts,
                                       const float* router_weight, void* dgu, void* h,
                                       float* d_router_weight, float* scratch, int64_t rows_cap,
-                                      int L, int H, int I, int block_m, int num_ctas,
-                                      cudaStream_t stream);
+                                      int L, int H, int I, int block_m, int multicast,
+                                      int num_ctas, cudaStream_t stream);
 
 // dx = dgu W1_e (W1_e = fc1_weight[e] as [2I, H]), bf16. Needs I % 32 == 0 and
 // H % (wg_n * 128 / block_m) == 0.
 MOK_API int mok_gemm_fc1_dgrad(const void* dgu, const void* fc1_weight, const int32_t* offsets,
                                void* dx, int64_t rows_cap, int L, int H, int I, int block_m,
-                               int wg_n, int tma_store, int num_ctas, cudaStream_t stream);
+                               int wg_n, int tma_store, int multicast, int num_ctas,
+                               cudaStream_t stream);
+
+// dh = dy D_e (D_e = fc2_weight[e] as [H, I]), bf16 [R, I]: the fc2 data gradient alone, for a
+// SwiGLU backward run separately. Needs H % 64 == 0 and I % (wg_n * 128 / block_m) == 0.
+MOK_API int mok_gemm_fc2_dgrad(const void* dy, const void* fc2_weight, const int32_t* offsets,
+                               void* dh, int64_t rows_cap, int L, int H, int I, int block_m,
+                               int wg_n, int tma_store, int multicast, int num_ctas,
+                               cudaStream_t stream);
 
 // Weight gradient per expert: out[e] = a_e^T b_e over the expert's rows [offsets[e],
 // offsets[e+1]) (offsets multiples of 64): a bf16 [R, M], b bf16 [R, N], out [L, M, N] fp32

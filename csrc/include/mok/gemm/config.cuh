@@ -34,12 +34,17 @@ enum class BLayout {
 // kTmaStore: the epilogue stages the tile in shared memory (WGN * 128 bytes per consumer
 // warpgroup: 64 rows of WGN bf16) and writes it with TMA bulk stores that drain while the next
 // tile's K loop runs; this costs the pipeline a stage in some shapes.
-template <int BM_, int WGN_, BLayout BL_, bool kTmaStore_ = false>
+// kMulticast: CTAs run in clusters of two that take the two row blocks of a row-block pair of
+// the same expert and column block; each CTA loads half of the B tile and multicasts it to
+// both, halving the L2-to-SM traffic of B (L2 bandwidth, not the tensor cores, is what caps a
+// 128 x 256 tile with a CTA of its own).
+template <int BM_, int WGN_, BLayout BL_, bool kTmaStore_ = false, bool kMulticast_ = false>
 struct RowCfg {
   static constexpr int BM = BM_;
   static constexpr int WGN = WGN_;
   static constexpr BLayout kB = BL_;
   static constexpr bool kTmaStore = kTmaStore_;
+  static constexpr int kCluster = kMulticast_ ? 2 : 1;
   static constexpr int WM = BM / 64;
   static constexpr int WN = kConsumerWarpgroups / WM;
   static constexpr int BN = WN * WGN;  // B columns per tile (for kSwiGLU: gate + up columns)
@@ -68,6 +73,7 @@ struct WgradCfg {
   static constexpr int WGN = 256;
   static constexpr int BN = 256;
   static constexpr bool kTmaStore = kTmaStore_;
+  static constexpr int kCluster = 1;
   static constexpr int kAccRegs = WGN / 2;
   static constexpr int kABytes = BM * kBK * 2;
   static constexpr int kBBytes = BN * kBK * 2;

@@ -35,28 +35,62 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) ring.init_barriers();
   for (int i = threadIdx.x; i <= p.L; i += blockDim.x) ring.table0[i] = p.offsets[i];
   __syncthreads();
-  const RowScheduler sched(ring.table0, p.counts, p.L, Cfg::BM, p.num_cb, p.rows_cap);
   const int wg = threadIdx.x / 128;
   PipeState st;
-  if (wg == 0) {
-    setmaxnreg_dec<kProducerRegisters>();
-    if (threadIdx.x == 0) {
-      tma_prefetch_descriptor(&p.op.map_a);
-      tma_prefetch_descriptor(&p.op.map_b);
-      for (int t = blockIdx.x; t < sched.total; t += gridDim.x)
-        load_row_tile<Cfg>(p.op, sched.tile(t), ring, st);
+  if constexpr (Cfg::kCluster == 1) {
+    const RowScheduler sched(ring.table0, p.counts, p.L, Cfg::BM, p.num_cb, p.rows_cap);
+    if (wg == 0) {
+      setmaxnreg_dec<kProducerRegisters>();
+      if (threadIdx.x == 0) {
+        tma_prefetch_descriptor(&p.op.map_a);
+        tma_prefetch_descriptor(&p.op.map_b);
+        for (int t = blockIdx.x; t < sched.total; t += gridDim.x)
+          load_row_tile<Cfg>(p.op, sched.tile(t), ring, st);
+      }
+    } else {
+      setmaxnreg_inc<kConsumerRegisters>();
+      const int cw = wg - 1;
+      const int wm = cw % Cfg::WM, wn = cw / Cfg::WM;
+      float acc[Cfg::kAccRegs];
+      for (int t = blockIdx.x; t < sched.total; t += gridDim.x) {
+        const RowTile tile = sched.tile(t);
+        mma_row_tile<Cfg>(p.op, wm, wn, ring, st, acc);
+        Epi::template apply<Cfg::WGN>(p.epi, tile, wm, wn, Cfg::BN, acc, ring.staging(cw), cw);
+      }
+      Epi::finish(cw);
     }
   } else {
-    setmaxnreg_inc<kConsumerRegisters>();
-    const int cw = wg - 1;
-    const int wm = cw % Cfg::WM, wn = cw / Cfg::WM;
-    float acc[Cfg::kAccRegs];
-    for (int t = blockIdx.x; t < sched.total; t += gridDim.x) {
-      const RowTile tile = sched.tile(t);
-      mma_row_tile<Cfg>(p.op, wm, wn, ring, st, acc);
-      Epi::template apply<Cfg::WGN>(p.epi, tile, wm, wn, Cfg::BN, acc, ring.staging(cw), cw);
+    // Clusters of two: both CTAs walk the same pair tiles, CTA `rank` the rank-th row block.
+    if (threadIdx.x == 0)
+      PairRowScheduler::build_pair_starts(ring.table0, ring.table1, p.L, Cfg::BM, p.num_cb,
+                                          p.rows_cap);
+    cluster_sync();  // barriers initialised and tables built in both CTAs
+    const PairRowScheduler sched(ring.table0, ring.table1, p.counts, p.L, Cfg::BM, p.num_cb);
+    const int rank = static_cast<int>(cluster_rank());
+    const int cluster = blockIdx.x / Cfg::kCluster;
+    const int clusters = gridDim.x / Cfg::kCluster;
+    if (wg == 0) {
+      setmaxnreg_dec<kProducerRegisters>();
+      if (threadIdx.x == 0) {
+        tma_prefetch_descriptor(&p.op.map_a);
+        tma_prefetch_descriptor(&p.op.map_b);
+        for (int t = cluster; t < sched.total; t += clusters)
+          load_row_tile<Cfg>(p.op, sched.tile(t, rank), ring, st, rank);
+        ring.drain(st);
+      }
+    } else {
+      setmaxnreg_inc<kConsumerRegisters>();
+      const int cw = wg - 1;
+      const int wm = cw % Cfg::WM, wn = cw / Cfg::WM;
+      float acc[Cfg::kAccRegs];
+      for (int t = cluster; t < sched.total; t += clusters) {
+        const RowTile tile = sched.tile(t, rank);
+        mma_row_tile<Cfg>(p.op, wm, wn, ring, st, acc);
+        if (tile.valid)
+          Epi::template apply<Cfg::WGN>(p.epi, tile, wm, wn, Cfg::BN, acc, ring.staging(cw), cw);
+      }
+      Epi::finish(cw);
     }
-    Epi::finish(cw);
   }
 }
 

@@ -23,43 +23,63 @@ namespace gemm {
 // Global operands of a row-grouped GEMM out[R, N] = A[R, K] * B_e for the rows of expert e.
 struct RowOperands {
   CUtensorMap map_a;  // A [rows_cap, K] bf16, box {64, BM}, 128-byte swizzle
-  CUtensorMap map_b;  // kKMajor/kSwiGLU: [L * N, K], box {64, WGN or WGN/2};
+  CUtensorMap map_b;  // kKMajor/kSwiGLU: [L * N, K], box {64, WGN/2};
                       // kMNMajor: [L * K, N], box {64, 64}
   int K;              // reduction length (a multiple of 64)
   int N;              // columns of B per expert (kSwiGLU: 2I)
 };
 
+// B boxes of one stage: kKMajor and kSwiGLU take two boxes of WGN/2 rows (64 k wide) per
+// consumer warpgroup (for kSwiGLU: the gate rows, then the same up rows), kMNMajor BN/64 boxes of
+// 64 columns (64 k rows deep). Box `idx` goes to `dst` and global coordinates (c0, c1).
+template <class Cfg>
+constexpr int b_boxes() {
+  return Cfg::kB == BLayout::kMNMajor ? Cfg::BN / 64 : 2 * Cfg::WN;
+}
+
+template <class Cfg>
+__device__ __forceinline__ void b_box(const RowOperands& op, const RowTile& t, int k0, int idx,
+                                      uint8_t* b, uint8_t*& dst, int& c0, int& c1) {
+  if constexpr (Cfg::kB == BLayout::kMNMajor) {
+    dst = b + idx * 8192;
+    c0 = t.col_block * Cfg::BN + idx * 64;
+    c1 = t.expert * op.K + k0;
+  } else {
+    const int wn = idx / 2, half = idx % 2;
+    dst = b + wn * Cfg::WGN * 128 + half * (Cfg::WGN / 2) * 128;
+    c0 = k0;
+    if constexpr (Cfg::kB == BLayout::kSwiGLU) {
+      c1 = t.expert * op.N + half * (op.N / 2) + t.col_block * (Cfg::BN / 2) + wn * (Cfg::WGN / 2);
+    } else {
+      c1 = t.expert * op.N + t.col_block * Cfg::BN + wn * Cfg::WGN + half * (Cfg::WGN / 2);
+    }
+  }
+}
+
+// Producer: all k-blocks of tile t. In a cluster of two (Cfg::kCluster), CTA `rank` loads its
+// own A rows and the B boxes of its half, multicast to both CTAs.
 template <class Cfg>
 __device__ __forceinline__ void load_row_tile(const RowOperands& op, const RowTile& t,
-                                              const SmemRing<Cfg>& ring,
-                                              PipeState& st) {
+                                              const SmemRing<Cfg>& ring, PipeState& st,
+                                              int rank = 0) {
+  constexpr int kBoxes = b_boxes<Cfg>();
+  static_assert(kBoxes % Cfg::kCluster == 0, "B boxes split evenly over the cluster");
+  constexpr int kMine = kBoxes / Cfg::kCluster;
   const int nk = op.K / kBK;
   for (int kb = 0; kb < nk; ++kb) {
     uint64_t* bar = ring.acquire(st, Cfg::kStageBytes);
     const int k0 = kb * kBK;
     tma_load_2d(ring.a(st.stage), &op.map_a, bar, k0, t.row0);
     uint8_t* b = ring.b(st.stage);
-    if constexpr (Cfg::kB == BLayout::kKMajor) {
 #pragma unroll
-      for (int wn = 0; wn < Cfg::WN; ++wn)
-        tma_load_2d(b + wn * Cfg::WGN * 128, &op.map_b, bar, k0,
-                    t.expert * op.N + t.col_block * Cfg::BN + wn * Cfg::WGN);
-    } else if constexpr (Cfg::kB == BLayout::kSwiGLU) {
-      // Warpgroup wn multiplies gate columns [h, h + WGN/2) and the same up columns.
-      const int inter = op.N / 2;
-      const int h0 = t.col_block * (Cfg::BN / 2);
-#pragma unroll
-      for (int wn = 0; wn < Cfg::WN; ++wn) {
-        const int h = h0 + wn * (Cfg::WGN / 2);
-        uint8_t* dst = b + wn * Cfg::WGN * 128;
-        tma_load_2d(dst, &op.map_b, bar, k0, t.expert * op.N + h);
-        tma_load_2d(dst + (Cfg::WGN / 2) * 128, &op.map_b, bar, k0, t.expert * op.N + inter + h);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < Cfg::BN / 64; ++j)
-        tma_load_2d(b + j * 8192, &op.map_b, bar, t.col_block * Cfg::BN + j * 64,
-                    t.expert * op.K + k0);
+    for (int j = 0; j < kMine; ++j) {
+      uint8_t* dst;
+      int c0, c1;
+      b_box<Cfg>(op, t, k0, rank * kMine + j, b, dst, c0, c1);
+      if constexpr (Cfg::kCluster == 1)
+        tma_load_2d(dst, &op.map_b, bar, c0, c1);
+      else
+        tma_load_2d_multicast(dst, &op.map_b, bar, c0, c1, (1u << Cfg::kCluster) - 1u);
     }
     st.template advance<Cfg::kStages>();
   }

@@ -56,11 +56,13 @@ struct SmemRing {
   __device__ __forceinline__ uint8_t* a(int s) const { return base + s * kStageBytes; }
   __device__ __forceinline__ uint8_t* b(int s) const { return base + s * kStageBytes + kABytes; }
 
-  // One thread initialises; the caller synchronises the CTA afterwards.
+  // One thread initialises; the caller synchronises the CTA (or the cluster) afterwards. In a
+  // cluster, a stage is refilled only once the consumers of every CTA released it (the peers
+  // write into it), so every consumer warp arrives on the empty barrier of each CTA.
   __device__ __forceinline__ void init_barriers() const {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumerWarps);
+      mbar_init(&empty[s], kConsumerWarps * Cfg::kCluster);
     }
     mbar_fence_init();
   }
@@ -76,7 +78,23 @@ struct SmemRing {
     mbar_wait(&full[st.stage], st.phase);
   }
   __device__ __forceinline__ void release(int stage) const {
-    if (threadIdx.x % 32 == 0) mbar_arrive(&empty[stage]);
+    if (threadIdx.x % 32 == 0) {
+      if constexpr (Cfg::kCluster == 1) {
+        mbar_arrive(&empty[stage]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < Cfg::kCluster; ++c) mbar_arrive_cluster(&empty[stage], c);
+      }
+    }
+  }
+  // Producer side, after its last tile: wait until every stage it filled was released by all
+  // consumers (in a cluster: so no peer still arrives on, or reads, this CTA's shared memory
+  // after it exits).
+  __device__ __forceinline__ void drain(PipeState st) const {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_wait(&empty[st.stage], st.phase ^ 1u);
+      st.template advance<kStages>();
+    }
   }
 };
 

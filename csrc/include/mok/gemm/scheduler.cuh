@@ -30,6 +30,8 @@ struct RowTile {
   int row0;       // first row of the tile in the grouped layout
   int col_block;  // column block index
   int row_end;    // first row of the expert's padding (rows >= row_end are padding)
+  bool valid;     // false: a cluster's second row block past the expert's last (computed,
+                  // never stored)
 };
 
 // offs: the CTA's shared-memory copy of offsets[0..L]; counts: device counts[L] (or null: no
@@ -69,6 +71,62 @@ struct RowScheduler {
     out.row0 = (rb0 + rb) * bm;
     out.col_block = cb;
     out.row_end = counts != nullptr ? offs[l] + counts[l] : offs[l + 1];
+    out.valid = true;
+    return out;
+  }
+};
+
+// The same for clusters of two CTAs: the unit is a pair of consecutive row blocks of one
+// expert (an expert with an odd number of row blocks leaves the second CTA of its last pair an
+// invalid tile). pstart: shared int32[L + 1], the first pair-tile index of every expert, built
+// by build_pair_starts().
+struct PairRowScheduler {
+  const int32_t* offs;
+  const int32_t* pstart;
+  const int32_t* counts;
+  int L, bm, num_cb, total;
+
+  // One thread; the caller synchronises afterwards.
+  __device__ static void build_pair_starts(const int32_t* offs, int32_t* pstart, int L, int bm,
+                                           int num_cb, int64_t rows_cap) {
+    int acc = 0;
+    for (int l = 0; l < L; ++l) {
+      pstart[l] = acc;
+      const int64_t end = offs[l + 1] < rows_cap ? offs[l + 1] : rows_cap;
+      const int nrb = end > offs[l] ? static_cast<int>((end - offs[l]) / bm) : 0;
+      acc += (nrb + 1) / 2 * num_cb;
+    }
+    pstart[L] = acc;
+  }
+
+  __device__ __forceinline__ PairRowScheduler(const int32_t* offs_, const int32_t* pstart_,
+                                              const int32_t* counts_, int L_, int bm_,
+                                              int num_cb_)
+      : offs(offs_), pstart(pstart_), counts(counts_), L(L_), bm(bm_), num_cb(num_cb_),
+        total(pstart_[L_]) {}
+
+  __device__ __forceinline__ RowTile tile(int t, int rank) const {
+    int lo = 0, hi = L - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (pstart[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    const int l = lo;
+    const int rb0 = offs[l] / bm;
+    const int nrb = offs[l + 1] / bm - rb0;
+    const int npr = (nrb + 1) / 2;
+    const int local = t - pstart[l];
+    const int group = local / (kGroupRows * num_cb);
+    const int in_group = local - group * kGroupRows * num_cb;
+    const int pairs_in_group = min(kGroupRows, npr - group * kGroupRows);
+    const int cb = in_group / pairs_in_group;
+    const int rb = 2 * (group * kGroupRows + in_group % pairs_in_group) + rank;
+    RowTile out;
+    out.expert = l;
+    out.row0 = (rb0 + rb) * bm;
+    out.col_block = cb;
+    out.row_end = counts != nullptr ? offs[l] + counts[l] : offs[l + 1];
+    out.valid = rb < nrb;
     return out;
   }
 };
