@@ -177,5 +177,14 @@ def warn_ignored_settings(config: Any) -> None:
     """Log settings that the MoK layer accepts but that have no effect on it."""
     modules = getattr(config, "recompute_modules", None) or []
     if getattr(config, "recompute_granularity", None) == "selective" and "moe_act" in modules:
-        log.warning("megatron-mok: --recompute-modules moe_act has no effect on the MoK layer (the "
-                    "SwiGLU activations live inside the MoK op); use 'moe' to recompute the whole layer")
+        _warn_once("megatron-mok: --recompute-modules moe_act has no effect on the MoK layer (the "
+                   "SwiGLU activations live inside the MoK op); use 'moe' to recompute the whole layer")
+
+
+_WARNED: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning(message)
