@@ -17,6 +17,7 @@ MEAN_RELATIVE = 0.01
 
 
 def main(argv=None) -> int:
+    """Print both summaries and the verdict; 0 if the curves agree, 2 if not, 1 on a bad log."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("logs", nargs=2, help="two Megatron logs (e.g. alltoall.log mok.log)")
     parser.add_argument("--tokens-per-iteration", type=int, required=True,

@@ -146,6 +146,7 @@ def report(history, drift: float, seconds: float) -> None:
 
 
 def worker(rank: int, world: int, port: int, steps: int) -> None:
+    """One gloo rank: Megatron's parallel state on the CPU, both models, the training steps."""
     # Keep the output to the comparison: Megatron warns about every optional package
     # (Transformer Engine, Apex, ...) it does not find and logs every gradient bucket.
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -174,6 +175,7 @@ def worker(rank: int, world: int, port: int, steps: int) -> None:
 
 
 def main(argv=None) -> int:
+    """Spawn the ranks; returns 0 when the two layers train alike."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--ranks", type=int, default=2, help="gloo processes = expert-parallel size")
