@@ -79,14 +79,18 @@ def _split_sizes_to_host(tensor, as_numpy: bool = False, record_stream: bool = F
 
 @contextlib.contextmanager
 def cpu_device_patches() -> Iterator[None]:
-    """Inside the block, ``torch.cuda.current_device()`` is the CPU device and CUDA streams and
-    events are inert stand-ins, so Megatron-Core's MoE code paths run on CPU tensors.
+    """Inside the block, ``torch.cuda.is_available()`` is False, ``torch.cuda.current_device()``
+    is the CPU device and CUDA streams and events are inert stand-ins, so Megatron-Core's MoE
+    code paths run on CPU tensors.
 
     Use only where there is no GPU (tests, the CPU demo): any real CUDA work inside the block
     would be misdirected to the CPU.
     """
     cpu = torch.device("cpu")
     patches = [
+        # Code that asks whether to use the GPU (the MoK layer's backend check among it) gets the
+        # CPU answer, also on a machine that has a GPU.
+        mock.patch("torch.cuda.is_available", lambda: False),
         mock.patch("torch.cuda.current_device", lambda: cpu),
         mock.patch("torch.cuda.Stream", _CpuStream),
         mock.patch("torch.cuda.Event", _CpuEvent),
