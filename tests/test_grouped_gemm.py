@@ -75,6 +75,33 @@ def test_c_abi_rejects_bad_arguments_before_any_launch(built_library):
     assert plain(p, p, p, p, 256, 4, 1024, 384, 128, 256, 1, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT  # I % 256
 
 
+def test_python_signatures_match_the_c_abi(built_library, monkeypatch):
+    """Every ctypes signature of the op module has the arity of its declaration in
+    grouped_gemm.h, and each entry point called through it refuses L = 0 before any CUDA call."""
+    import re
+
+    header = (_build.CSRC_DIR / "include" / "mok" / "grouped_gemm.h").read_text()
+    arity = {name: len([a for a in args.split(",") if a.strip()])
+             for name, args in re.findall(r"MOK_API \w+ (mok_gemm_\w+)\(([^)]*)\);", header)}
+    monkeypatch.setattr(library, "_library", library.MokLibrary(built_library))
+    lib, fns = gg._lib()
+    names = {"fc1": "mok_gemm_fc1_swiglu", "fc2": "mok_gemm_fc2", "scratch": "mok_gemm_fc2_dgrad_scratch_floats",
+             "fc2_dgrad_swiglu": "mok_gemm_fc2_dgrad_swiglu", "fc2_dgrad": "mok_gemm_fc2_dgrad",
+             "fc1_dgrad": "mok_gemm_fc1_dgrad", "wgrad": "mok_gemm_weight_grad"}
+    assert set(names.values()) == set(arity), sorted(arity)
+    for key, name in names.items():
+        assert len(fns[key].argtypes) == arity[name], name
+    p = ctypes.c_void_p(0x10000)
+    assert fns["fc1"](p, p, p, p, None, p, None, 256, 0, 1024, 512, 128, 256, 0, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    assert fns["fc2"](p, p, p, p, 256, 0, 1024, 512, 128, 256, 0, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    assert fns["fc2_dgrad_swiglu"](p, p, p, p, p, None, p, None, None, None, 256, 0, 1024, 512, 128, 0, 0,
+                                   None) == MOK_ERR_INVALID_ARGUMENT
+    for key in ("fc2_dgrad", "fc1_dgrad"):
+        assert fns[key](p, p, p, p, 256, 0, 1024, 512, 128, 256, 1, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    assert fns["wgrad"](p, p, p, p, 0, 0, 0, 256, 0, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    assert fns["scratch"](100, 512) == 200
+
+
 def _cpu_args(R=256, L=4, H=1024, I=512):
     x = torch.zeros(R, H, dtype=torch.bfloat16)
     w1 = torch.zeros(L, 2 * I, H, dtype=torch.bfloat16)
@@ -126,6 +153,49 @@ def test_python_checks_name_the_bad_value():
     assert gg.check_fc1_dgrad(torch.zeros(256, 1024, dtype=torch.bfloat16), w1, offsets, 64) == \
         gg.DEFAULTS["dgrad"][64]
     assert gg.check_fc2_dgrad(x, w2, offsets, 128, multicast=True).multicast
+
+
+def test_wrappers_pass_sizes_and_variant_through(monkeypatch):
+    """The wrappers, ops and launchers hand the C functions the sizes and the chosen variant
+    (the C side is replaced by a recorder, so this runs without a GPU)."""
+    calls = {}
+
+    class Recorder:
+        def check(self, code, what):
+            assert code == 0, what
+
+    def fake_lib():
+        def record(name):
+            def fn(*args):
+                calls[name] = args
+                return 0
+            return fn
+        fns = {k: record(k) for k in ("fc1", "fc2", "fc2_dgrad_swiglu", "fc2_dgrad", "fc1_dgrad", "wgrad")}
+        fns["scratch"] = lambda rows, inter: rows * (inter // 256)
+        return Recorder(), fns
+
+    monkeypatch.setattr(gg, "_lib", fake_lib)
+    monkeypatch.setattr(gg, "stream_of", lambda t: ctypes.c_void_p(0))
+    x, w1, w2, offsets, counts = _cpu_args(R=384, L=4, H=1024, I=512)
+    rw = torch.ones(384)
+    h, gu = gg.fc1_swiglu(x, w1, offsets, counts, rw, save_preact=True)
+    assert h.shape == (384, 512) and gu.shape == (384, 1024)
+    assert calls["fc1"][7:15] == (384, 4, 1024, 512) + tuple(int(f) for f in gg.DEFAULTS["fc1"][128])
+    y = gg.fc2(h, w2, offsets, tile_rows=64)
+    assert y.shape == (384, 1024) and calls["fc2"][4:12] == (384, 4, 1024, 512, 64, 128, 1, 0)
+    dgu, dw, hh = gg.fc2_dgrad_swiglu(y, w2, gu, offsets, counts, rw, want_h=True, multicast=True)
+    assert dgu.shape == (384, 1024) and dw.shape == (384,) and hh.shape == (384, 512)
+    assert calls["fc2_dgrad_swiglu"][10:16] == (384, 4, 1024, 512, 128, 1)
+    assert gg.fc2_dgrad(y, w2, offsets, block_m=64).shape == (384, 512)
+    assert calls["fc2_dgrad"][4:12] == (384, 4, 1024, 512, 64, 256, 0, 0)
+    assert gg.fc1_dgrad(dgu, w1, offsets).shape == (384, 1024)
+    assert calls["fc1_dgrad"][4:8] == (384, 4, 1024, 512)
+    assert gg.weight_grad(dgu, x, offsets).dtype == torch.float32
+    assert calls["wgrad"][4:11] == (0, 0, 0, 384, 4, 1024, 1024)
+    assert gg.weight_grad(y, h, offsets, out_dtype=torch.bfloat16).shape == (4, 1024, 512)
+    assert calls["wgrad"][4:7] == (1, 0, int(gg.WGRAD_TMA_STORE))
+    main = torch.zeros(4, 1024, 512)
+    assert gg.weight_grad(y, h, offsets, main_grad=main) is main and calls["wgrad"][4:7] == (0, 1, 0)
 
 
 def test_fake_impls_give_shapes():

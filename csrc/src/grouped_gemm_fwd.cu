@@ -22,7 +22,7 @@ int fc1_swiglu(const void* x, const void* w1, const int32_t* offsets, const int3
   RowKernelParams<Epi> p{};
   int rc = encode_map_2d(&p.op.map_a, x, H, rows_cap, kBK, BM);
   if (rc != MOK_OK) return rc;
-  rc = encode_map_2d(&p.op.map_b, w1, H, (uint64_t)L * 2 * I, kBK, WGN / 2);
+  rc = encode_map_2d(&p.op.map_b, w1, H, (uint64_t)L * 2 * I, kBK, b_box_rows<Cfg>());
   if (rc != MOK_OK) return rc;
   p.op.K = H;
   p.op.N = 2 * I;
@@ -55,7 +55,7 @@ int fc2(const void* h, const void* w2, const int32_t* offsets, void* y, int64_t 
   RowKernelParams<Epi> p{};
   int rc = encode_map_2d(&p.op.map_a, h, I, rows_cap, kBK, BM);
   if (rc != MOK_OK) return rc;
-  rc = encode_map_2d(&p.op.map_b, w2, I, (uint64_t)L * H, kBK, WGN / 2);
+  rc = encode_map_2d(&p.op.map_b, w2, I, (uint64_t)L * H, kBK, b_box_rows<Cfg>());
   if (rc != MOK_OK) return rc;
   p.op.K = I;
   p.op.N = H;

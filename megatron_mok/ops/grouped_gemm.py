@@ -45,20 +45,20 @@ class Variant(NamedTuple):
     multicast: bool
 
 
-def _v(*rows):
+def _variants(*rows):
     return frozenset(Variant(*r) for r in rows)
 
 
 # Built variants per GEMM (csrc/include/mok/grouped_gemm.h), and the default per layout padding
 # (tile_rows), chosen from the benchmark (docs/perf-notes.md).
 VARIANTS = {
-    "fc1": _v((128, 256, False, False), (64, 256, False, False), (64, 128, False, False),
+    "fc1": _variants((128, 256, False, False), (64, 256, False, False), (64, 128, False, False),
               (128, 256, True, False), (64, 128, True, False), (128, 256, False, True),
               (128, 256, True, True)),
-    "fc2": _v((128, 256, False, False), (64, 256, False, False), (64, 128, False, False),
+    "fc2": _variants((128, 256, False, False), (64, 256, False, False), (64, 128, False, False),
               (128, 256, True, False), (64, 128, True, False), (128, 256, True, True)),
-    "fc2_dgrad_swiglu": _v((128, 256, False, False), (64, 256, False, False), (128, 256, False, True)),
-    "dgrad": _v((128, 256, False, False), (64, 256, False, False), (128, 256, True, False),
+    "fc2_dgrad_swiglu": _variants((128, 256, False, False), (64, 256, False, False), (128, 256, False, True)),
+    "dgrad": _variants((128, 256, False, False), (64, 256, False, False), (128, 256, True, False),
                 (64, 128, True, False), (128, 256, True, True)),
 }
 DEFAULTS = {

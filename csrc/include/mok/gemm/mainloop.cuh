@@ -23,18 +23,24 @@ namespace gemm {
 // Global operands of a row-grouped GEMM out[R, N] = A[R, K] * B_e for the rows of expert e.
 struct RowOperands {
   CUtensorMap map_a;  // A [rows_cap, K] bf16, box {64, BM}, 128-byte swizzle
-  CUtensorMap map_b;  // kKMajor/kSwiGLU: [L * N, K], box {64, WGN/2};
+  CUtensorMap map_b;  // kKMajor/kSwiGLU: [L * N, K], box {64, b_box_rows<Cfg>()};
                       // kMNMajor: [L * K, N], box {64, 64}
   int K;              // reduction length (a multiple of 64)
   int N;              // columns of B per expert (kSwiGLU: 2I)
 };
 
-// B boxes of one stage: kKMajor and kSwiGLU take two boxes of WGN/2 rows (64 k wide) per
-// consumer warpgroup (for kSwiGLU: the gate rows, then the same up rows), kMNMajor BN/64 boxes of
-// 64 columns (64 k rows deep). Box `idx` goes to `dst` and global coordinates (c0, c1).
+// B boxes of one stage (64 k wide or deep): kSwiGLU takes two boxes of WGN/2 rows per consumer
+// warpgroup (the gate rows, then the same up rows); kKMajor one box of WGN rows per warpgroup,
+// or two of WGN/2 in a cluster (so the cluster's CTAs can split them); kMNMajor BN/64 boxes of
+// 64 columns. Box `idx` goes to `dst` at global coordinates (c0, c1).
+template <class Cfg>
+constexpr int b_box_rows() {
+  return Cfg::kB == BLayout::kKMajor && Cfg::kCluster == 1 ? Cfg::WGN : Cfg::WGN / 2;
+}
+
 template <class Cfg>
 constexpr int b_boxes() {
-  return Cfg::kB == BLayout::kMNMajor ? Cfg::BN / 64 : 2 * Cfg::WN;
+  return Cfg::kB == BLayout::kMNMajor ? Cfg::BN / 64 : Cfg::WN * Cfg::WGN / b_box_rows<Cfg>();
 }
 
 template <class Cfg>
@@ -45,13 +51,14 @@ __device__ __forceinline__ void b_box(const RowOperands& op, const RowTile& t, i
     c0 = t.col_block * Cfg::BN + idx * 64;
     c1 = t.expert * op.K + k0;
   } else {
-    const int wn = idx / 2, half = idx % 2;
-    dst = b + wn * Cfg::WGN * 128 + half * (Cfg::WGN / 2) * 128;
+    constexpr int kPerWg = Cfg::WGN / b_box_rows<Cfg>();  // boxes per warpgroup: 1 or 2
+    const int wn = idx / kPerWg, part = idx % kPerWg;
+    dst = b + wn * Cfg::WGN * 128 + part * b_box_rows<Cfg>() * 128;
     c0 = k0;
     if constexpr (Cfg::kB == BLayout::kSwiGLU) {
-      c1 = t.expert * op.N + half * (op.N / 2) + t.col_block * (Cfg::BN / 2) + wn * (Cfg::WGN / 2);
+      c1 = t.expert * op.N + part * (op.N / 2) + t.col_block * (Cfg::BN / 2) + wn * (Cfg::WGN / 2);
     } else {
-      c1 = t.expert * op.N + t.col_block * Cfg::BN + wn * Cfg::WGN + half * (Cfg::WGN / 2);
+      c1 = t.expert * op.N + t.col_block * Cfg::BN + wn * Cfg::WGN + part * b_box_rows<Cfg>();
     }
   }
 }
