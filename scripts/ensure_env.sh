@@ -3,10 +3,24 @@
 # every dependency and this package (editable, building the CUDA library when nvcc exists).
 # Prints the venv's python path on its last line. Reused by later runs: a stamp file skips
 # the pip steps when nothing changed.
-#   MOK_VENV    where the venv lives (default: ~/.venvs/megatron-mok)
-#   MOK_PYTHON  the Python 3.12 interpreter to create it with (default: found below)
+#   MOK_VENV           where the venv lives (default: ~/.venvs/megatron-mok)
+#   MOK_PYTHON         the Python 3.12 interpreter to create it with (default: found below)
+#   MOK_SYSTEM_PYTHON  use this interpreter as it is, with no venv and no downloads (machines
+#                      without a package index that already have torch and megatron-core,
+#                      like the H200 test machines): only this package's CUDA library is built
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+if [ -n "${MOK_SYSTEM_PYTHON:-}" ]; then
+  "$MOK_SYSTEM_PYTHON" -c 'import torch, megatron.core' >&2 || {
+    echo "error: MOK_SYSTEM_PYTHON=$MOK_SYSTEM_PYTHON lacks torch or megatron-core" >&2; exit 1; }
+  export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+  if [ -z "${MOK_LIBRARY:-}" ]; then
+    (cd "$root" && "$MOK_SYSTEM_PYTHON" -c 'from megatron_mok.ops.library import load_library; load_library()') >&2
+  fi
+  echo "$MOK_SYSTEM_PYTHON"
+  exit 0
+fi
 venv=${MOK_VENV:-$HOME/.venvs/megatron-mok}
 
 find_python312() {

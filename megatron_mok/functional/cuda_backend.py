@@ -21,12 +21,14 @@ the fixed-order slot sum gives dx.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from ..config import GPU_TILE_ROWS, MoKConfig
 from ..ops import comm as comm_ops
+from ..ops import grouped_gemm as mok_gemm
 from ..ops import swiglu as swiglu_ops
 from .groups import EPGroup, group_size_rank
 from .validate import MoEShape
@@ -48,6 +50,16 @@ def unsupported_reason(shape: MoEShape, config: MoKConfig) -> str | None:
     return None
 
 
+def hopper_gemms_apply(shape: MoEShape, tile_rows: int) -> bool:
+    """Whether MoK's Hopper grouped GEMMs (csrc/include/mok/grouped_gemm.h) take this shape:
+    fc2 and the fc1 data gradient need H % 256 == 0, the weight gradients 2I % 128 == 0,
+    H % 256 == 0 and I % 256 == 0; layouts padded to 64 or 128 rows. ``MOK_GROUPED_GEMM=torch``
+    in the environment turns them off (for A/B measurements)."""
+    if os.environ.get("MOK_GROUPED_GEMM", "mok") == "torch":
+        return False
+    return tile_rows in GPU_TILE_ROWS and shape.hidden % 256 == 0 and shape.ffn_hidden % 256 == 0
+
+
 @dataclass(frozen=True)
 class _Call:
     ws: Workspace
@@ -55,11 +67,37 @@ class _Call:
     timeout_s: float
     num_experts: int
     comm_blocks: int
+    hopper_gemms: bool
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """torch._grouped_mm with int32 group end offsets kept on the device."""
     return torch._grouped_mm(a, b, offs=ends)
+
+
+# The expert GEMMs. Where MoK's Hopper kernels were measured faster than torch._grouped_mm
+# (fc2 1.22x, fc1 data gradient 1.21x, weight gradients 1.16-1.19x, geometric means over the
+# Kimi-K2 / DeepSeek-V3 / Qwen3 expert loads, docs/perf-notes.md) they run; fc1 (+ SwiGLU) and
+# the fc2 data gradient stay on torch._grouped_mm + MoK's SwiGLU kernels, where the fused
+# Hopper kernels were on average only even.
+
+def _fc2(call: _Call, hw, fc2, offsets):
+    if call.hopper_gemms:
+        return mok_gemm.fc2(hw, fc2, offsets, tile_rows=call.segment_rows)
+    return _grouped_mm(hw, fc2.transpose(1, 2), offsets[1:])
+
+
+def _fc1_dgrad(call: _Call, d_ab, fc1, offsets):
+    if call.hopper_gemms:
+        return mok_gemm.fc1_dgrad(d_ab, fc1, offsets, tile_rows=call.segment_rows)
+    return _grouped_mm(d_ab, fc1, offsets[1:])
+
+
+def _weight_grad(call: _Call, a, b, offsets):
+    """[L, M, N] = a[rows of e]^T b[rows of e] per expert, bf16."""
+    if call.hopper_gemms:
+        return mok_gemm.weight_grad(a, b, offsets, out_dtype=torch.bfloat16)
+    return _grouped_mm(a.t(), b, offsets[1:])
 
 
 class _CudaMoE(torch.autograd.Function):
@@ -77,7 +115,7 @@ class _CudaMoE(torch.autograd.Function):
                                             K, capacity, H, True, call.comm_blocks)
         ab = _grouped_mm(x_disp, fc1.transpose(1, 2), ends)          # [R, 2I]
         hw = swiglu_ops.swiglu_forward(ab, w_disp, offsets)         # [R, I]
-        out_rows = _grouped_mm(hw, fc2.transpose(1, 2), ends)       # [R, H]
+        out_rows = _fc2(call, hw, fc2, offsets)                     # [R, H]
         comm_ops.push_rows(ws.bases, ws.layout.slots, 0, table, offsets, K, out_rows, None, call.comm_blocks)
         ws.barrier(SITE_FWD_COMBINE, call.timeout_s)
         y, _ = comm_ops.sum_slots(ws.slots[:T], topk_ids, call.num_experts, None, ws.status)
@@ -103,9 +141,9 @@ class _CudaMoE(torch.autograd.Function):
                                       False, call.comm_blocks)
         g = _grouped_mm(d_out, fc2, ends)                                       # dL/d(hw) [R, I]
         d_ab, dw_rows, hw = swiglu_ops.swiglu_backward(ab, w_disp, g, offsets, True)
-        d_fc2 = _grouped_mm(d_out.t(), hw, ends)                                # [L, H, I]
-        d_fc1 = _grouped_mm(d_ab.t(), x_disp, ends)                             # [L, 2I, H]
-        dx_rows = _grouped_mm(d_ab, fc1, ends)                                  # [R, H]
+        d_fc2 = _weight_grad(call, d_out, hw, offsets)                          # [L, H, I]
+        d_fc1 = _weight_grad(call, d_ab, x_disp, offsets)                       # [L, 2I, H]
+        dx_rows = _fc1_dgrad(call, d_ab, fc1, offsets)                          # [R, H]
         comm_ops.push_rows(ws.bases, ws.layout.slots, ws.layout.scalars, table, offsets, K, dx_rows, dw_rows,
                            call.comm_blocks)
         ws.barrier(SITE_BWD_COMBINE, call.timeout_s)
@@ -131,6 +169,7 @@ def cuda_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_group: EPG
     # Segments padded to the GEMM tile: torch._grouped_mm tiles each group in 128-row blocks
     # anyway, and measured no faster with 8-row segments (docs/perf-notes.md, 2026-11-29).
     call = _Call(ws=ws, segment_rows=config.tile_rows, timeout_s=float(config.timeout_s),
-                 num_experts=P * shape.experts_per_rank, comm_blocks=0)
+                 num_experts=P * shape.experts_per_rank, comm_blocks=0,
+                 hopper_gemms=hopper_gemms_apply(shape, config.tile_rows))
     return _CudaMoE.apply(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
                           fc1_weight, fc2_weight, call)
