@@ -5,7 +5,8 @@ For every dispatcher it starts ``torchrun --nproc-per-node N`` on the launcher (
 ``python -m megatron_mok.pretrain_gpt``, which takes Megatron-LM's pretrain_gpt.py flags)
 with the model and data flags of ``--args-file`` files and those given after ``--``, plus
 
-    <dispatcher flags> --train-iters ITERS --log-interval 1 --eval-iters 0 [--log-throughput]
+    <dispatcher flags> --train-iters ITERS --log-interval 1 --eval-iters 0
+    --eval-interval ITERS+1 [--log-throughput]
 
 and reads Megatron's training log (:mod:`megatron_mok.bench.megatron_log`). The first
 ``--skip-iters`` iterations are warm-up; the step time is the median of the rest.
@@ -111,7 +112,10 @@ def build_command(*, nproc: int, launcher: str, launcher_args: Sequence[str], di
     return ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
              "--master-addr", "127.0.0.1", "--master-port", str(port)]
             + launcher_command(launcher) + list(launcher_args) + dispatcher_flags(dispatcher)
-            + ["--train-iters", str(iters), "--log-interval", "1", "--eval-iters", "0"]
+            # Megatron 0.19 divides by --eval-interval even with --eval-iters 0 (seen on H200,
+            # 2026-11-29: "int // NoneType" in get_train_valid_test_num_samples).
+            + ["--train-iters", str(iters), "--log-interval", "1", "--eval-iters", "0",
+               "--eval-interval", str(iters + 1)]
             + (["--log-throughput"] if throughput else []))
 
 
