@@ -112,3 +112,25 @@ def test_training_log_parser_and_comparison():
     assert abs(s.tokens_per_s - 4096 / 0.110) < 1e-6
     count, worst, mean = compare_losses(a, b)
     assert count == 3 and abs(worst - 0.01) < 1e-12 and abs(mean - 0.01 / 3) < 1e-12
+
+
+def test_loss_curve_verdict_early_points_and_window_means():
+    from megatron_mok.megatron.training_log import IterationLog, compare_curves
+
+    def run(losses):
+        return [IterationLog(i + 1, loss, 100.0) for i, loss in enumerate(losses)]
+
+    base = [10.0 / (i + 1) for i in range(10)] + [0.05, 0.8, 0.1, 0.05, 0.4, 0.06, 0.07, 0.5, 0.05, 0.09]
+    # Late, small losses that decorrelate (each point off by up to 100%) but keep their mean.
+    chaotic = base[:10] + [0.8, 0.05, 0.05, 0.1, 0.06, 0.4, 0.5, 0.07, 0.09, 0.05]
+    c = compare_curves(run(base), run(chaotic))
+    assert c.early_iterations == 10 and c.early_max_relative == 0.0 and c.windows == 2
+    assert abs(c.window_max_shift) < 1e-12 and c.agree()
+    # A wrong layer shows in the first iterations.
+    wrong_early = [x * (1.05 if i == 2 else 1.0) for i, x in enumerate(base)]
+    c = compare_curves(run(base), run(wrong_early))
+    assert abs(c.early_max_relative - 0.05) < 1e-12 and not c.agree()
+    # A run that stops learning shows in the window means.
+    stalled = base[:10] + [1.0] * 10
+    c = compare_curves(run(base), run(stalled))
+    assert c.window_max_shift > 0.05 and not c.agree()

@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import List, Sequence
 
-__all__ = ["IterationLog", "parse_training_log", "RunSummary", "summarize", "compare_losses"]
+__all__ = ["IterationLog", "parse_training_log", "RunSummary", "summarize", "compare_losses",
+           "CurveComparison", "compare_curves"]
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
 _ELAPSED = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
@@ -81,3 +82,49 @@ def compare_losses(a: Sequence[IterationLog], b: Sequence[IterationLog]) -> tupl
     if not diffs:
         return 0, float("nan"), float("nan")
     return len(diffs), max(diffs), sum(diffs) / len(diffs)
+
+
+@dataclass(frozen=True)
+class CurveComparison:
+    """Two loss curves judged the way bf16 training allows.
+
+    Two correct implementations that round differently follow the same trajectory for the
+    first iterations and then decorrelate, fastest once the loss is small and noisy (mock data
+    is memorised within tens of iterations): per-iteration relative differences late in a run
+    measure that chaos, not correctness. So the verdict rests on (a) the early iterations,
+    where a wrong layer shows at once, compared point by point, and (b) the whole run compared
+    as means over windows of iterations, relative to the first loss (the scale of the curve).
+    """
+
+    early_iterations: int
+    early_max_relative: float      # max |a - b| / |a| over the first iterations both logged
+    windows: int
+    window_max_shift: float        # max |mean_a - mean_b| / first loss over the windows
+
+    def agree(self, early_bound: float = 0.03, window_bound: float = 0.02) -> bool:
+        """True if both measures are within their bounds (and something was compared)."""
+        return (self.early_iterations > 0 and self.early_max_relative <= early_bound
+                and self.windows > 0 and self.window_max_shift <= window_bound)
+
+
+def compare_curves(a: Sequence[IterationLog], b: Sequence[IterationLog], early: int = 10,
+                   window: int = 10) -> CurveComparison:
+    """Compare two runs' LM loss curves over the iterations both logged (see
+    :class:`CurveComparison`): point by point over the first ``early`` of them, and as means over
+    consecutive windows of ``window`` of them, relative to ``a``'s first loss."""
+    by_iter = {entry.iteration: entry.lm_loss for entry in b}
+    pairs = [(entry.lm_loss, by_iter[entry.iteration]) for entry in a if entry.iteration in by_iter]
+    head = [abs(x - y) / abs(x) for x, y in pairs[:early] if x != 0]
+    scale = abs(pairs[0][0]) if pairs and pairs[0][0] != 0 else float("nan")
+    shifts = []
+    for start in range(0, len(pairs) - window + 1, window):
+        chunk = pairs[start:start + window]
+        mean_a = sum(x for x, _ in chunk) / window
+        mean_b = sum(y for _, y in chunk) / window
+        shifts.append(abs(mean_a - mean_b) / scale)
+    return CurveComparison(
+        early_iterations=len(head),
+        early_max_relative=max(head) if head else float("nan"),
+        windows=len(shifts),
+        window_max_shift=max(shifts) if shifts else float("nan"),
+    )
