@@ -1,0 +1,80 @@
+// The forward megakernel (docs/megakernel.md): pull dispatch, fc1 + SwiGLU, fc2, push combine
+// and the fixed-order slot sum of one MoE layer forward in one persistent launch, after the
+// schedule kernel (mok/schedule.h).
+//
+// Peer memory is the symmetric workspace of the cuda backend: `bases[s]` is rank s's region,
+// in which `rows_offset` holds its published bf16 tokens [T_cap, H], `scalars_offset` its fp32
+// router weights [T_cap, K] and `slots_offset` the bf16 combine slots [T_cap, K, H];
+// `signal_bases[s]` is rank s's uint64 [P] flag array (the one mok_barrier uses). The ring
+// (x / out rows, h rows, router weights) and the counters are local device buffers whose size
+// the config fixes, whatever the routing.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "mok/common.h"
+
+// Every field is 8 bytes wide (pointers and int64), so the layout is the same for any C
+// compiler and for Python's ctypes; mok_megakernel_args_bytes() returns sizeof for a check.
+typedef struct MokMegakernelArgs {
+  const uint64_t* bases;         // device [P]: every rank's workspace region
+  const uint64_t* signal_bases;  // device [P]: every rank's uint64 [P] flag array
+  int64_t rows_offset;           // byte offset of the published tokens in a region
+  int64_t scalars_offset;        // byte offset of the published router weights
+  int64_t slots_offset;          // byte offset of the combine slots
+  const int32_t* table;          // schedule: int32 [R_cap, 2] (source rank, token * K + slot)
+  const int32_t* offsets;        // int32 [L + 1], multiples of 128
+  const int32_t* counts;         // int32 [L]
+  const int64_t* topk_ids;       // this rank's int64 [T, K] ids (null when T == 0)
+  const void* fc1_weight;        // bf16 [L, 2I, H] (gate rows, then up rows)
+  const void* fc2_weight;        // bf16 [L, H, I]
+  void* ring_x;                  // bf16 [ring_rows, H]: pulled x rows, then the block's output rows
+  void* ring_h;                  // bf16 [ring_rows, I]: w * silu(x G^T) * (x U^T)
+  float* ring_w;                 // fp32 [ring_rows]: router weight of each ring row
+  int32_t* counters;             // int32 [mok_megakernel_counter_words(ring_rows / 128)]
+  void* y;                       // bf16 [T, H] output (null when T == 0)
+  uint64_t* epoch_counter;       // the workspace's barrier epoch counter (device, uint64)
+  int32_t* status;               // the workspace's status word, int32 [MOK_STATUS_WORDS]
+  int64_t timeout_ns;            // deadline of every wait
+  int64_t P, rank, L, H, I, K, T;
+  int64_t ring_rows;             // a multiple of minibatch_rows, at least two minibatches
+  int64_t minibatch_rows;        // a positive multiple of 128
+  int64_t comm_ctas;             // CTAs that move data (the rest compute), >= 1
+  int64_t num_ctas;              // CTAs of the launch (0: every SM; capped by the occupancy)
+} MokMegakernelArgs;
+
+MOK_API int64_t mok_megakernel_args_bytes(void);
+
+// int32 words of the counter buffer for a ring of `ring_slots` = ring_rows / 128 slots.
+MOK_API int64_t mok_megakernel_counter_words(int ring_slots);
+
+// The work plan, for tests: item `index` of queue `queue` (0 compute, 1 comm) for a layout of
+// n_blocks row blocks, mb_blocks blocks per minibatch, `slots` ring slots, n1 = I / 128 fc1
+// and n2 = H / 256 fc2 column blocks. Writes out[0..5] = kind (1 fc1, 2 fc2, 3 pull,
+// 4 push), row block, column block, the counter it waits on (0 x_ready, 1 h_ready,
+// 2 out_ready, 3 slot_free), that counter's slot, and the value to wait for (<= 0: none).
+// Returns MOK_OK, or MOK_ERR_INVALID_ARGUMENT for sizes or an index out of range.
+MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_blocks, int slots,
+                                     int n1, int n2, int32_t* out);
+
+// Runs the forward megakernel on `stream`: a small kernel resets the counters and takes the
+// next epoch from *epoch_counter, then the persistent kernel computes, for this rank's T
+// tokens, y[t] = sum_{j ascending, valid ids} w[t, j] FFN_{ids[t, j]}(x[t]) (fp32 sum, bf16),
+// with the routes to this rank's experts pulled from their source ranks and the expert
+// outputs pushed to their home ranks' slots. Every wait has the deadline timeout_ns; a
+// timeout is recorded in `status` (MOK_STATUS_TIMEOUT, the site, the peer) and the launch
+// finishes; y is NaN whenever any status flag is set. No host synchronisation; CUDA-graph
+// capturable. Needs H % 256 == 0, I % 128 == 0, 1 <= L <= 1024, offsets padded to 128 rows.
+// Returns MOK_OK, a cudaError_t (> 0) or MOK_ERR_INVALID_ARGUMENT (argument checks come first,
+// before any CUDA call).
+MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t stream);
+
+// Timeout sites of the megakernel's waits (MOK_STATUS_WHERE); 1-4 are the cuda backend's
+// barriers, 5-6 the megakernel backward's extra barriers (Python side).
+enum MokMegakernelSite {
+  MOK_SITE_MK_FC1_WAITS_PULL = 7,
+  MOK_SITE_MK_FC2_WAITS_FC1 = 8,
+  MOK_SITE_MK_PUSH_WAITS_FC2 = 9,
+  MOK_SITE_MK_PULL_WAITS_SLOT = 10,
+  MOK_SITE_MK_COMBINE_DONE = 11,
+};

@@ -1,0 +1,168 @@
+// The forward megakernel's work plan: which item each position of the two work queues holds,
+// what an item waits for, and which counter it bumps when done (docs/megakernel.md).
+//
+// Pure functions of a few sizes, shared by the device code and the host (the C ABI exports
+// them for the CPU tests, which replay the protocol to check that it cannot deadlock).
+//
+// The expert-grouped layout of the schedule (rows [0, offsets[L]), every expert's segment
+// padded to 128 rows) is cut into row blocks of kBlockRows rows, each of one expert. Block b
+// lives in ring slot b % slots while it is in flight; it is the (b / slots + 1)-th
+// generation of that slot. A minibatch is mb_blocks consecutive blocks (the last one may be
+// shorter). The two queues, each handed out in order by an atomic counter:
+//   compute: fc1(mb 0), then for m = 1 .. n_mb-1: fc1(mb m), fc2(mb m-1); then fc2(last)
+//   comm:    pull(mb 0), then for m = 1 .. n_mb-1: pull(mb m), push(mb m-1); then push(last)
+// Within a minibatch, GEMM tiles run in groups of up to 8 row blocks, column block by column
+// block inside a group (the CTAs that run together share the weight tile in L2).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MOK_HD __host__ __device__ __forceinline__
+#else
+#define MOK_HD inline
+#endif
+
+namespace mok {
+namespace mega {
+
+constexpr int kBlockRows = 128;       // rows of a row block (= tile_rows = the GEMM tile's M)
+constexpr int kFc1Cols = 128;         // h columns of an fc1 tile (256 gate+up rows of fc1)
+constexpr int kFc2Cols = 256;         // output columns of an fc2 tile
+constexpr int kGroupBlocks = 8;       // row blocks per column sweep inside a minibatch
+constexpr int kTileArrivals = 2;      // consumer warpgroups per GEMM tile; each bumps once
+
+enum ItemKind : int32_t { kEnd = 0, kFc1 = 1, kFc2 = 2, kPull = 3, kPush = 4 };
+enum Queue : int32_t { kComputeQueue = 0, kCommQueue = 1 };
+// Per-slot counters, each an int32[slots] array; they only grow within a launch.
+enum SlotCounter : int32_t { kXReady = 0, kHReady = 1, kOutReady = 2, kSlotFree = 3, kNumSlotCounters = 4 };
+
+// Header words of the counter buffer (int32 units); the slot counters follow.
+enum HeaderWord : int32_t {
+  kEpochLo = 0,       // uint64 epoch of this launch (words 0-1), written by the reset kernel
+  kComputeNext = 2,   // compute queue position
+  kCommNext = 3,      // comm queue position
+  kCommDone = 4,      // comm CTAs that finished their queue
+  kSumNext = 5,       // slot-sum queue position (tokens)
+  kRoleTicket = 6,    // CTAs started: the first comm_ctas become comm CTAs
+  kHeaderWords = 8,
+};
+
+MOK_HD int64_t counter_words(int slots) { return kHeaderWords + (int64_t)kNumSlotCounters * slots; }
+MOK_HD int counter_index(int counter, int slot, int slots) { return kHeaderWords + counter * slots + slot; }
+
+struct Plan {
+  int n_blocks;   // row blocks of the layout: offsets[L] / kBlockRows
+  int mb_blocks;  // row blocks per minibatch (minibatch_rows / kBlockRows)
+  int slots;      // ring slots (ring_rows / kBlockRows), a multiple of mb_blocks, >= 2 minibatches
+  int n1;         // fc1 column blocks: I / kFc1Cols
+  int n2;         // fc2 column blocks: H / kFc2Cols
+};
+
+struct Item {
+  int32_t kind;   // ItemKind
+  int32_t block;  // row block
+  int32_t col;    // column block (GEMM items), 0 for comm items
+};
+
+// What an item waits for before it starts: counters[counter][slot] >= target (target <= 0:
+// nothing to wait for).
+struct Wait {
+  int32_t counter;
+  int32_t slot;
+  int32_t target;
+};
+
+MOK_HD int num_minibatches(const Plan& p) { return (p.n_blocks + p.mb_blocks - 1) / p.mb_blocks; }
+MOK_HD int compute_items(const Plan& p) { return p.n_blocks * (p.n1 + p.n2); }
+MOK_HD int comm_items(const Plan& p) { return 2 * p.n_blocks; }
+
+// Item `idx` of the tiles of minibatch m with `cols` column blocks (cols == 1: the blocks in
+// order).
+MOK_HD Item tile_in_minibatch(const Plan& p, int32_t kind, int m, int cols, int idx) {
+  const int first = m * p.mb_blocks;
+  const int nb = (p.n_blocks - first) < p.mb_blocks ? (p.n_blocks - first) : p.mb_blocks;
+  const int group = idx / (kGroupBlocks * cols);
+  const int in_group = idx - group * kGroupBlocks * cols;
+  const int left = nb - group * kGroupBlocks;
+  const int rows_in_group = left < kGroupBlocks ? left : kGroupBlocks;
+  Item it;
+  it.kind = kind;
+  it.col = in_group / rows_in_group;
+  it.block = first + group * kGroupBlocks + in_group % rows_in_group;
+  return it;
+}
+
+// Position `i` of a queue laid out as A(0), A(1), B(0), A(2), B(1), ..., A(n-1), B(n-2), B(n-1)
+// where A(m) has blocks(m) * ca items and B(m) blocks(m) * cb items.
+MOK_HD Item interleaved_item(const Plan& p, int i, int32_t kind_a, int ca, int32_t kind_b, int cb) {
+  const int n = num_minibatches(p);
+  const int B = p.mb_blocks;
+  const int last = p.n_blocks - (n - 1) * B;  // blocks of the last minibatch
+  if (n == 1) {
+    if (i < last * ca) return tile_in_minibatch(p, kind_a, 0, ca, i);
+    return tile_in_minibatch(p, kind_b, 0, cb, i - last * ca);
+  }
+  if (i < B * ca) return tile_in_minibatch(p, kind_a, 0, ca, i);
+  int j = i - B * ca;
+  const int pair = B * (ca + cb);  // A(m) + B(m-1), both full, for 1 <= m <= n-2
+  const int k = j / pair;
+  if (k < n - 2) {
+    const int r = j - k * pair;
+    if (r < B * ca) return tile_in_minibatch(p, kind_a, k + 1, ca, r);
+    return tile_in_minibatch(p, kind_b, k, cb, r - B * ca);
+  }
+  j -= (n - 2) * pair;
+  if (j < last * ca) return tile_in_minibatch(p, kind_a, n - 1, ca, j);
+  j -= last * ca;
+  if (j < B * cb) return tile_in_minibatch(p, kind_b, n - 2, cb, j);
+  return tile_in_minibatch(p, kind_b, n - 1, cb, j - B * cb);
+}
+
+// Item at position i of the compute queue (0 <= i < compute_items).
+MOK_HD Item compute_item(const Plan& p, int i) { return interleaved_item(p, i, kFc1, p.n1, kFc2, p.n2); }
+
+// Item at position i of the comm queue (0 <= i < comm_items).
+MOK_HD Item comm_item(const Plan& p, int i) { return interleaved_item(p, i, kPull, 1, kPush, 1); }
+
+// Generation of block b in its slot: 1 for the first S blocks, 2 for the next S, ...
+MOK_HD int generation(const Plan& p, int block) { return block / p.slots + 1; }
+
+MOK_HD Wait wait_of(const Plan& p, const Item& it) {
+  const int g = generation(p, it.block);
+  Wait w;
+  w.slot = it.block % p.slots;
+  switch (it.kind) {
+    case kFc1:  // the block's x rows and router weights are in the ring
+      w.counter = kXReady;
+      w.target = g;
+      break;
+    case kFc2:  // every fc1 tile of the block stored its h columns
+      w.counter = kHReady;
+      w.target = g * kTileArrivals * p.n1;
+      break;
+    case kPull:  // the slot's previous block was pushed (its rows are no longer needed)
+      w.counter = kSlotFree;
+      w.target = g - 1;
+      break;
+    case kPush:  // every fc2 tile of the block stored its output columns
+      w.counter = kOutReady;
+      w.target = g * kTileArrivals * p.n2;
+      break;
+    default:
+      w.counter = 0;
+      w.target = 0;
+      break;
+  }
+  return w;
+}
+
+// The counter an item bumps when done, and by how much (GEMM tiles: once per consumer
+// warpgroup, kTileArrivals in all).
+MOK_HD int signal_counter(int32_t kind) {
+  return kind == kPull ? kXReady : kind == kFc1 ? kHReady : kind == kFc2 ? kOutReady : kSlotFree;
+}
+MOK_HD int signal_amount(int32_t kind) { return (kind == kFc1 || kind == kFc2) ? kTileArrivals : 1; }
+
+}  // namespace mega
+}  // namespace mok

@@ -1,0 +1,181 @@
+// The compute CTAs of the forward megakernel: the TMA producer thread takes GEMM tiles from the
+// compute queue in order, waits (acquire) until the tile's input rows are in the ring, and
+// loads them through the stage ring of the grouped GEMMs (mok/gemm/pipeline.cuh); the two
+// consumer warpgroups run the same tiles with mma_row_tile and the grouped GEMM epilogues,
+// then release the tile's arrival on its slot counter.
+//
+// The producer hands each tile to the consumers through a small per-stage record written
+// before the stage's first `full` arrival (mbarrier arrive: release; try_wait: acquire, both
+// at CTA scope), so the consumers learn the tile from the pipeline itself. The queue's end
+// (or an aborted wait) is a record of kind kEnd with no TMA bytes.
+//
+// Both tile kinds are 128 x 256 with a 64-deep K step: fc1 (RowCfg<128, 256, kSwiGLU>: 128
+// gate and the same 128 up rows of fc1, SwiGLU epilogue, 128 h columns) and fc2
+// (RowCfg<128, 256, kKMajor>: 256 output columns); their stage layouts are identical, so one
+// shared-memory ring serves both.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "mok/gemm/config.cuh"
+#include "mok/gemm/epilogue.cuh"
+#include "mok/gemm/mainloop.cuh"
+#include "mok/gemm/pipeline.cuh"
+#include "mok/gemm/ptx.cuh"
+#include "mok/megakernel.h"
+#include "mok/megakernel/plan.cuh"
+#include "mok/megakernel/sync.cuh"
+
+namespace mok {
+namespace mega {
+
+using Fc1Cfg = gemm::RowCfg<kBlockRows, 256, gemm::BLayout::kSwiGLU>;
+using Fc2Cfg = gemm::RowCfg<kBlockRows, 256, gemm::BLayout::kKMajor>;
+static_assert(Fc1Cfg::kStages == Fc2Cfg::kStages && Fc1Cfg::kStageBytes == Fc2Cfg::kStageBytes &&
+                  Fc1Cfg::kABytes == Fc2Cfg::kABytes && Fc1Cfg::kStagingBytes == Fc2Cfg::kStagingBytes &&
+                  Fc1Cfg::kSmemBytes == Fc2Cfg::kSmemBytes,
+              "fc1 and fc2 tiles share one stage ring");
+static_assert(Fc1Cfg::BN / 2 == kFc1Cols && Fc2Cfg::BN == kFc2Cols, "tile widths of the plan");
+static_assert(Fc1Cfg::WN == 1 && Fc1Cfg::WM == kTileArrivals, "one 64-row half per consumer warpgroup");
+
+// What the producer tells the consumers about the tile in a stage.
+struct StageRecord {
+  int32_t kind;     // kFc1, kFc2 or kEnd
+  int32_t expert;   // local expert of the row block
+  int32_t row0;     // first ring row of the block's slot
+  int32_t col;      // column block
+  int32_t row_end;  // ring rows >= row_end are padding
+  int32_t pad[3];
+};
+
+struct TileOperands {
+  gemm::RowOperands fc1;  // A: ring x [ring_rows, H]; B: fc1 weight [L * 2I, H]; K = H, N = 2I
+  gemm::RowOperands fc2;  // A: ring h [ring_rows, I]; B: fc2 weight [L * H, I]; K = I, N = H
+  gemm::SwiGLUForwardEpilogue::Params swiglu;  // h = ring h, scale = ring router weights
+  gemm::StoreEpilogue::Params store;           // out = ring x (the block's x rows are dead by then)
+};
+
+// Local expert of ring row block starting at layout row `row`: the largest l < L with
+// offs[l] <= row (empty experts share their offset with the next one).
+__device__ __forceinline__ int expert_of_row(const int32_t* offs, int L, int row) {
+  int lo = 0, hi = L - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (offs[mid] <= row) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+template <class Cfg>
+__device__ __forceinline__ void load_tile(const gemm::RowOperands& op, const gemm::RowTile& t,
+                                          const StageRecord& rec, const gemm::SmemRing<Cfg>& ring,
+                                          gemm::PipeState& st, StageRecord* records) {
+  const int nk = op.K / gemm::kBK;
+  for (int kb = 0; kb < nk; ++kb) {
+    gemm::mbar_wait(&ring.empty[st.stage], st.phase ^ 1u);
+    if (kb == 0) records[st.stage] = rec;  // published by the arrive below (release, CTA scope)
+    uint64_t* bar = &ring.full[st.stage];
+    gemm::mbar_arrive_expect_tx(bar, Cfg::kStageBytes);
+    const int k0 = kb * gemm::kBK;
+    gemm::tma_load_2d(ring.a(st.stage), &op.map_a, bar, k0, t.row0);
+#pragma unroll
+    for (int j = 0; j < gemm::b_boxes<Cfg>(); ++j) {
+      uint8_t* dst;
+      int c0, c1;
+      gemm::b_box<Cfg>(op, t, k0, j, ring.b(st.stage), dst, c0, c1);
+      gemm::tma_load_2d(dst, &op.map_b, bar, c0, c1);
+    }
+    st.template advance<Cfg::kStages>();
+  }
+}
+
+struct ComputeContext {
+  int32_t* counters;
+  Deadline deadline;
+  int L;
+};
+
+// The producer thread. offs / cnts: the CTA's shared copies of offsets[0..L] and counts.
+__device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Plan& plan, const ComputeContext& cx,
+                                              const int32_t* offs, const int32_t* cnts,
+                                              const gemm::SmemRing<Fc1Cfg>& ring1,
+                                              const gemm::SmemRing<Fc2Cfg>& ring2, StageRecord* records) {
+  gemm::tma_prefetch_descriptor(&ops.fc1.map_a);
+  gemm::tma_prefetch_descriptor(&ops.fc1.map_b);
+  gemm::tma_prefetch_descriptor(&ops.fc2.map_a);
+  gemm::tma_prefetch_descriptor(&ops.fc2.map_b);
+  const int total = compute_items(plan);
+  gemm::PipeState st;
+  for (;;) {
+    const int i = atomicAdd(&cx.counters[kComputeNext], 1);
+    Item it;
+    it.kind = kEnd;
+    if (i < total) {
+      it = compute_item(plan, i);
+      const Wait w = wait_of(plan, it);
+      const int site = it.kind == kFc1 ? MOK_SITE_MK_FC1_WAITS_PULL : MOK_SITE_MK_FC2_WAITS_FC1;
+      if (!wait_counter(cx.counters + counter_index(w.counter, w.slot, plan.slots), w.target, cx.deadline, site))
+        it.kind = kEnd;
+    }
+    if (it.kind == kEnd) {
+      gemm::mbar_wait(&ring1.empty[st.stage], st.phase ^ 1u);
+      records[st.stage].kind = kEnd;
+      gemm::mbar_arrive(&ring1.full[st.stage]);  // no bytes: the phase completes on this arrival
+      return;
+    }
+    // The rows just acquired were written with generic stores; order the TMA reads after them.
+    fence_proxy_async_global();
+    const int slot = it.block % plan.slots;
+    const int row = it.block * kBlockRows;
+    const int e = expert_of_row(offs, cx.L, row);
+    int real = offs[e] + cnts[e] - row;
+    real = real < 0 ? 0 : (real > kBlockRows ? kBlockRows : real);
+    StageRecord rec;
+    rec.kind = it.kind;
+    rec.expert = e;
+    rec.row0 = slot * kBlockRows;
+    rec.col = it.col;
+    rec.row_end = rec.row0 + real;
+    const gemm::RowTile t{e, rec.row0, it.col, rec.row_end, true};
+    if (it.kind == kFc1)
+      load_tile<Fc1Cfg>(ops.fc1, t, rec, ring1, st, records);
+    else
+      load_tile<Fc2Cfg>(ops.fc2, t, rec, ring2, st, records);
+  }
+}
+
+// Consumer warpgroup cw (0 or 1): rows cw * 64 .. +64 of every tile.
+__device__ __forceinline__ void consume_tiles(const TileOperands& ops, const Plan& plan, const ComputeContext& cx,
+                                              const gemm::SmemRing<Fc1Cfg>& ring1,
+                                              const gemm::SmemRing<Fc2Cfg>& ring2, const StageRecord* records,
+                                              int cw) {
+  gemm::PipeState st;
+  float acc[Fc1Cfg::kAccRegs];
+  for (;;) {
+    ring1.wait_full(st);
+    const volatile StageRecord& vr = records[st.stage];
+    const int kind = vr.kind;
+    if (kind == kEnd) return;
+    const gemm::RowTile t{vr.expert, vr.row0, vr.col, vr.row_end, true};
+    const int slot = t.row0 / kBlockRows;
+    int32_t* counter;
+    if (kind == kFc1) {
+      gemm::mma_row_tile<Fc1Cfg>(ops.fc1, cw, 0, ring1, st, acc);
+      gemm::SwiGLUForwardEpilogue::apply<Fc1Cfg::WGN>(ops.swiglu, t, cw, 0, Fc1Cfg::BN, acc, nullptr, cw);
+      fence_proxy_async_global();  // h is read by fc2's TMA loads
+      counter = cx.counters + counter_index(kHReady, slot, plan.slots);
+    } else {
+      gemm::mma_row_tile<Fc2Cfg>(ops.fc2, cw, 0, ring2, st, acc);
+      gemm::StoreEpilogue::apply<Fc2Cfg::WGN>(ops.store, t, cw, 0, Fc2Cfg::BN, acc, nullptr, cw);
+      counter = cx.counters + counter_index(kOutReady, slot, plan.slots);
+    }
+    // Every thread of the warpgroup has stored its fragment: one release covers them all.
+    gemm::named_barrier_sync(1 + cw, 128);
+    if (threadIdx.x % 128 == 0) red_release_gpu_add(counter, 1);
+  }
+}
+
+}  // namespace mega
+}  // namespace mok

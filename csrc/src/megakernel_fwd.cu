@@ -1,0 +1,283 @@
+// The forward megakernel (see mok/megakernel.h and docs/megakernel.md).
+//
+// One persistent launch of one CTA per SM (three warpgroups, the grouped GEMMs' shared-memory
+// plan). Each CTA takes a ticket when it starts: the first comm_ctas tickets become comm CTAs
+// (pull and push row blocks, all 12 warps on one block at a time), the others compute CTAs (a
+// TMA producer thread and two wgmma consumer warpgroups on fc1/fc2 tiles). Roles by ticket,
+// not by blockIdx, so whichever CTAs run first include the comm CTAs: the launch makes
+// progress with any number of resident CTAs above comm_ctas. When a CTA's queue is empty its
+// warpgroups 1 and 2 join the combine-done wait and the slot sum.
+//
+// Kernel-boundary reasoning (what this launch may read without in-kernel synchronisation):
+// the schedule (table, offsets, counts) and the counter reset + epoch come from earlier
+// kernels of this stream; the peers' published tokens and router weights were made visible
+// by barrier 1 of this call (mok_barrier: fence.acq_rel.sys, st.release.sys / ld.acquire.sys)
+// and are not rewritten by their owners before every rank's combine-done flag of this call has
+// been seen; y is read by later kernels of the stream. Inside the launch every hand-over goes
+// through a counter (release/acquire .gpu) or the combine-done flags (.sys); see the comments
+// at each release and sync.cuh.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mok/cuda_check.cuh"
+#include "mok/gemm/host.cuh"
+#include "mok/megakernel.h"
+#include "mok/megakernel/plan.cuh"
+#include "mok/megakernel/rows.cuh"
+#include "mok/megakernel/slot_sum.cuh"
+#include "mok/megakernel/sync.cuh"
+#include "mok/megakernel/tiles.cuh"
+
+using namespace mok::mega;
+namespace g = mok::gemm;
+
+namespace {
+
+struct KernelParams {
+  TileOperands ops;
+  RowSpaces rows;
+  const uint64_t* signal_bases;
+  const int64_t* ids;
+  uint4* y;
+  const int32_t* offsets;
+  const int32_t* counts;
+  int32_t* counters;
+  int32_t* status;
+  int64_t timeout_ns;
+  int P, rank, L, T, E;
+  int comm_ctas;
+  int mb_blocks, slots, n1, n2;
+};
+
+// Shared memory after the stage ring (whose plan is Fc1Cfg::kSmemBytes, alignment included).
+struct CtaShared {
+  StageRecord records[g::kMaxStages];
+  Item comm_item;
+  SumShared sum;
+  uint64_t epoch;
+  int32_t ticket;
+  int32_t n_blocks;
+};
+constexpr int kSmemBytes = Fc1Cfg::kSmemBytes + (int)sizeof(CtaShared);
+static_assert(Fc1Cfg::kSmemBytes % alignof(CtaShared) == 0, "CtaShared alignment");
+static_assert(kSmemBytes <= g::kSmemLimit, "shared memory budget");
+
+__device__ __forceinline__ Deadline deadline_of(const KernelParams& p) {
+  return Deadline{p.status, p.timeout_ns, p.rank};
+}
+
+// All threads of a comm CTA. Thread 0 takes the next item and waits for its input; the 12
+// warps copy the block's rows; thread 0 releases the block's counter.
+__device__ __forceinline__ void comm_cta(const KernelParams& p, const Plan& plan, CtaShared& sh) {
+  const Deadline d = deadline_of(p);
+  const int total = comm_items(plan);
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32, lane = threadIdx.x % 32;
+  for (;;) {
+    if (threadIdx.x == 0) {
+      Item it;
+      it.kind = kEnd;
+      const int i = atomicAdd(&p.counters[kCommNext], 1);
+      if (i < total) {
+        it = comm_item(plan, i);
+        const Wait w = wait_of(plan, it);
+        const int site = it.kind == kPull ? MOK_SITE_MK_PULL_WAITS_SLOT : MOK_SITE_MK_PUSH_WAITS_FC2;
+        if (!wait_counter(p.counters + counter_index(w.counter, w.slot, plan.slots), w.target, d, site))
+          it.kind = kEnd;
+      }
+      sh.comm_item = it;
+    }
+    __syncthreads();  // bar.sync also extends thread 0's acquire to the CTA's other threads
+    const Item it = sh.comm_item;
+    if (it.kind == kEnd) break;
+    const int slot = it.block % plan.slots;
+    if (it.kind == kPull) {
+      pull_block(p.rows, it.block, slot, warp, warps, lane);
+      fence_proxy_async_global();  // fc1 reads these rows with TMA
+    } else {
+      push_block(p.rows, it.block, slot, warp, warps, lane);
+    }
+    __syncthreads();  // every row of the block written (pull) or read and sent (push)
+    if (threadIdx.x == 0)
+      red_release_gpu_add(p.counters + counter_index(signal_counter(it.kind), slot, plan.slots),
+                          signal_amount(it.kind));
+  }
+  // This CTA's pushes, to every rank, before the combine-done flags: a system-scope fence in
+  // every thread that stored, then the CTA barrier, then the arrival (acq_rel, cumulative).
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int before = atom_add_acq_rel_gpu(&p.counters[kCommDone], 1);
+    // The last comm CTA has acquired every other comm CTA's arrival; its system-scope fence and
+    // release stores make all of this rank's pushes (and pulls) happen-before each peer's
+    // acquire of the flag. After a timeout the flags stay unset: peers time out too.
+    if (before == p.comm_ctas - 1 && !timeout_recorded(p.status)) {
+      fence_acq_rel_sys();
+      for (int q = 0; q < p.P; ++q)
+        st_release_sys_u64(reinterpret_cast<uint64_t*>(p.signal_bases[q]) + p.rank, sh.epoch);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_constant__ KernelParams p) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  const g::SmemRing<Fc1Cfg> ring1(smem_raw);
+  const g::SmemRing<Fc2Cfg> ring2(smem_raw);
+  CtaShared& sh = *reinterpret_cast<CtaShared*>(smem_raw + Fc1Cfg::kSmemBytes);
+  if (threadIdx.x == 0) {
+    sh.ticket = atomicAdd(&p.counters[kRoleTicket], 1);
+    sh.epoch = *reinterpret_cast<const uint64_t*>(p.counters + kEpochLo);  // the reset kernel's
+    sh.n_blocks = p.offsets[p.L] / kBlockRows;
+    ring1.init_barriers();
+  }
+  for (int i = threadIdx.x; i <= p.L; i += blockDim.x) ring1.table0[i] = p.offsets[i];
+  for (int i = threadIdx.x; i < p.L; i += blockDim.x) ring1.table1[i] = p.counts[i];
+  __syncthreads();
+  const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2};
+  const int wg = threadIdx.x / 128;
+  if (sh.ticket < p.comm_ctas) {
+    comm_cta(p, plan, sh);
+    if (wg == 0) return;
+  } else {
+    const ComputeContext cx{p.counters, deadline_of(p), p.L};
+    // No setmaxnreg: the consumers' code fits the launch bound's 168 registers without spills
+    // (ptxas -v), and at 40 registers the producer's queue and wait logic would spill.
+    if (wg == 0) {
+      if (threadIdx.x == 0) produce_tiles(p.ops, plan, cx, ring1.table0, ring1.table1, ring1, ring2, sh.records);
+      return;
+    }
+    consume_tiles(p.ops, plan, cx, ring1, ring2, sh.records, wg - 1);
+  }
+  const SumArgs sa{p.signal_bases,
+                   reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(p.rows.bases[p.rank]) +
+                                                  p.rows.slots_offset),
+                   p.ids, p.y, p.counters, deadline_of(p), sh.epoch, p.P, p.rank, p.T, p.rows.K, p.E,
+                   p.rows.vecs};
+  combine_and_sum(sa, sh.sum, threadIdx.x - 128);
+}
+
+// Zeroes the counters (queues, arrivals, per-slot counters) and takes this call's epoch from
+// the workspace's barrier counter, which mok_barrier advances the same way: every rank runs the
+// same sequence of barriers and launches, so the epochs agree across ranks.
+__global__ void reset_kernel(int32_t* counters, int64_t words, uint64_t* epoch_counter) {
+  for (int64_t i = kComputeNext + threadIdx.x; i < words; i += blockDim.x) counters[i] = 0;
+  if (threadIdx.x == 0) {
+    const uint64_t epoch = *epoch_counter + 1;
+    *epoch_counter = epoch;
+    *reinterpret_cast<uint64_t*>(counters + kEpochLo) = epoch;
+  }
+}
+static_assert(kEpochLo == 0 && kComputeNext == 2, "the epoch takes words 0-1, the rest is reset");
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+// Argument checks (no CUDA call). Returns MOK_OK or MOK_ERR_INVALID_ARGUMENT.
+int check_args(const MokMegakernelArgs& a) {
+  MOK_REQUIRE(a.bases && a.signal_bases && a.table && a.offsets && a.counts && a.fc1_weight &&
+              a.fc2_weight && a.ring_x && a.ring_h && a.ring_w && a.counters && a.epoch_counter &&
+              a.status);
+  MOK_REQUIRE(a.T >= 0 && a.T < INT32_MAX && (a.T == 0 || (a.topk_ids && a.y)));
+  MOK_REQUIRE(a.P >= 1 && a.P <= 1024 && a.rank >= 0 && a.rank < a.P);
+  MOK_REQUIRE(a.L >= 1 && a.L <= g::kMaxExperts && a.K >= 1 && a.K <= 1024);
+  MOK_REQUIRE(a.H > 0 && a.H % kFc2Cols == 0 && a.I > 0 && a.I % kFc1Cols == 0);
+  MOK_REQUIRE(a.H <= (1 << 20) && a.I <= (1 << 20));
+  MOK_REQUIRE(a.minibatch_rows > 0 && a.minibatch_rows % kBlockRows == 0);
+  MOK_REQUIRE(a.ring_rows % a.minibatch_rows == 0 && a.ring_rows >= 2 * a.minibatch_rows);
+  MOK_REQUIRE(a.ring_rows <= (1 << 24));
+  MOK_REQUIRE(a.comm_ctas >= 1 && a.num_ctas >= 0 && a.timeout_ns > 0);
+  MOK_REQUIRE(a.num_ctas == 0 || a.num_ctas > a.comm_ctas);
+  MOK_REQUIRE(a.rows_offset >= 0 && a.scalars_offset >= 0 && a.slots_offset >= 0);
+  MOK_REQUIRE(a.rows_offset % 16 == 0 && a.slots_offset % 16 == 0 && a.scalars_offset % 4 == 0);
+  MOK_REQUIRE(aligned16(a.ring_x) && aligned16(a.ring_h) && aligned16(a.fc1_weight) &&
+              aligned16(a.fc2_weight) && (a.y == nullptr || aligned16(a.y)));
+  MOK_REQUIRE((reinterpret_cast<uintptr_t>(a.counters) & 7u) == 0);
+  return MOK_OK;
+}
+
+}  // namespace
+
+MOK_API int64_t mok_megakernel_args_bytes(void) { return (int64_t)sizeof(MokMegakernelArgs); }
+
+MOK_API int64_t mok_megakernel_counter_words(int ring_slots) {
+  return ring_slots >= 1 ? counter_words(ring_slots) : 0;
+}
+
+MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_blocks, int slots,
+                                     int n1, int n2, int32_t* out) {
+  MOK_REQUIRE(out && n_blocks >= 0 && mb_blocks >= 1 && slots >= 1 && n1 >= 1 && n2 >= 1);
+  MOK_REQUIRE(queue == kComputeQueue || queue == kCommQueue);
+  const Plan plan{n_blocks, mb_blocks, slots, n1, n2};
+  const int total = queue == kComputeQueue ? compute_items(plan) : comm_items(plan);
+  MOK_REQUIRE(index >= 0 && index < total);
+  const Item it = queue == kComputeQueue ? compute_item(plan, index) : comm_item(plan, index);
+  const Wait w = wait_of(plan, it);
+  out[0] = it.kind;
+  out[1] = it.block;
+  out[2] = it.col;
+  out[3] = w.counter;
+  out[4] = w.slot;
+  out[5] = w.target;
+  return MOK_OK;
+}
+
+MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t stream) {
+  MOK_REQUIRE(args != nullptr);
+  const MokMegakernelArgs& a = *args;
+  const int rc_args = check_args(a);
+  if (rc_args != MOK_OK) return rc_args;
+
+  const int slots = (int)(a.ring_rows / kBlockRows);
+  KernelParams p{};
+  int rc = g::encode_map_2d(&p.ops.fc1.map_a, a.ring_x, a.H, a.ring_rows, g::kBK, kBlockRows);
+  if (rc == MOK_OK)
+    rc = g::encode_map_2d(&p.ops.fc1.map_b, a.fc1_weight, a.H, a.L * 2 * a.I, g::kBK, g::b_box_rows<Fc1Cfg>());
+  if (rc == MOK_OK) rc = g::encode_map_2d(&p.ops.fc2.map_a, a.ring_h, a.I, a.ring_rows, g::kBK, kBlockRows);
+  if (rc == MOK_OK)
+    rc = g::encode_map_2d(&p.ops.fc2.map_b, a.fc2_weight, a.I, a.L * a.H, g::kBK, g::b_box_rows<Fc2Cfg>());
+  if (rc != MOK_OK) return rc;
+  p.ops.fc1.K = (int)a.H;
+  p.ops.fc1.N = (int)(2 * a.I);
+  p.ops.fc2.K = (int)a.I;
+  p.ops.fc2.N = (int)a.H;
+  p.ops.swiglu = {static_cast<__nv_bfloat16*>(a.ring_h), nullptr, a.ring_w, (int)a.I, a.ring_rows};
+  p.ops.store = {static_cast<__nv_bfloat16*>(a.ring_x), (int)a.H, a.ring_rows};
+  p.rows = RowSpaces{a.bases, a.rows_offset, a.scalars_offset, a.slots_offset, a.table,
+                     static_cast<uint4*>(a.ring_x), a.ring_w, (int)a.K, (int)(a.H / 8)};
+  p.signal_bases = a.signal_bases;
+  p.ids = a.topk_ids;
+  p.y = static_cast<uint4*>(a.y);
+  p.offsets = a.offsets;
+  p.counts = a.counts;
+  p.counters = a.counters;
+  p.status = a.status;
+  p.timeout_ns = a.timeout_ns;
+  p.P = (int)a.P;
+  p.rank = (int)a.rank;
+  p.L = (int)a.L;
+  p.T = (int)a.T;
+  p.E = (int)(a.P * a.L);
+  p.comm_ctas = (int)a.comm_ctas;
+  p.mb_blocks = (int)(a.minibatch_rows / kBlockRows);
+  p.slots = slots;
+  p.n1 = (int)(a.I / kFc1Cols);
+  p.n2 = (int)(a.H / kFc2Cols);
+
+  // One CTA per SM, every CTA resident: the grid comes from the occupancy query, never from
+  // the work (a fixed share of the SMs when the caller asks for fewer).
+  int sms = 0, per_sm = 0;
+  MOK_RETURN_IF_CUDA_ERROR(g::sm_count(&sms));
+  MOK_RETURN_IF_CUDA_ERROR(
+      cudaFuncSetAttribute(forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  MOK_RETURN_IF_CUDA_ERROR(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, forward_kernel, g::kThreads, kSmemBytes));
+  int64_t grid = (int64_t)sms * per_sm;
+  if (a.num_ctas > 0 && a.num_ctas < grid) grid = a.num_ctas;
+  if (grid <= a.comm_ctas) return MOK_ERR_INVALID_ARGUMENT;  // no CTA left to compute
+
+  reset_kernel<<<1, 256, 0, stream>>>(a.counters, counter_words(slots), a.epoch_counter);
+  MOK_RETURN_IF_LAUNCH_FAILED();
+  forward_kernel<<<(unsigned)grid, g::kThreads, kSmemBytes, stream>>>(p);
+  MOK_RETURN_IF_LAUNCH_FAILED();
+  return MOK_OK;
+}

@@ -1,0 +1,234 @@
+"""The ``megakernel`` backend: the layer forward in one persistent kernel launch per MoE layer
+(after the schedule kernel), the backward by recomputation with the ``cuda`` backend's pieces.
+
+EXPERIMENTAL: compiled, never yet run on a GPU. It is chosen only when the environment sets
+``MOK_EXPERIMENTAL_MEGAKERNEL=1``; otherwise :func:`unsupported_reason` says so and ``auto``
+falls back to the ``cuda`` backend (docs/megakernel.md).
+
+Forward, on every rank:
+
+1. publish x, topk_ids, topk_weights into the workspace; barrier (as the ``cuda`` backend);
+2. schedule (``mok_build_schedule``);
+3. ``mok::megakernel_forward``: comm CTAs pull the routed token rows into a fixed-size ring,
+   minibatch by minibatch, and push finished output rows to their home ranks' (token, slot);
+   compute CTAs run fc1 + SwiGLU (router weight applied per row) and fc2 tile by tile as soon
+   as a row block has landed; ring slots are reused once pushed; a combine-done flag exchange,
+   then the fixed-order sum over the top-k slots. Memory: the ring, ``ring_rows * (H + I) * 2
+   + ring_rows * 4`` bytes plus the counters, fixed by the config whatever the routing.
+
+Backward (nothing of the forward's activations is kept): publish x and the router weights
+again, barrier, re-pull them with the ``cuda`` backend's pull kernel, barrier (every rank has
+pulled before anyone publishes dy over its tokens), recompute the fc1 pre-activation with
+``torch._grouped_mm``, then the ``cuda`` backend's backward (``_CudaMoE.backward``).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from ..config import MoKConfig, MoKConfigError
+from ..ops import comm as comm_ops
+from ..ops import megakernel as mk_ops
+from . import cuda_backend
+from .groups import EPGroup, LocalEPRank, group_size_rank
+from .validate import MoEShape
+from .workspace import SITE_NAMES, Workspace, get_workspace
+
+EXPERIMENTAL_ENV = "MOK_EXPERIMENTAL_MEGAKERNEL"
+"""Environment variable that must be "1" for the megakernel to be used at all."""
+
+SITE_BWD_REPUBLISH, SITE_BWD_REPULLED = 5, 6
+# Timeout sites, as the kernels record them in the status word (csrc/include/mok/megakernel.h
+# for 7-11); registered in the workspace's table so timeouts name them.
+MEGAKERNEL_SITES = {
+    SITE_BWD_REPUBLISH: "megakernel backward (waiting for every rank to publish its tokens again)",
+    SITE_BWD_REPULLED: "megakernel backward (waiting for every rank to re-pull its tokens)",
+    7: "forward megakernel, inside this rank's launch (fc1 waiting for its pulled rows)",
+    8: "forward megakernel, inside this rank's launch (fc2 waiting for its row block's fc1)",
+    9: "forward megakernel, inside this rank's launch (push waiting for its row block's fc2)",
+    10: "forward megakernel, inside this rank's launch (pull waiting for a free ring slot)",
+    11: "forward megakernel combine (waiting for every rank to push its expert outputs)",
+}
+SITE_NAMES.update(MEGAKERNEL_SITES)
+
+BLOCK_ROWS = mk_ops.BLOCK_ROWS
+
+
+def experimental_enabled() -> bool:
+    """Whether ``MOK_EXPERIMENTAL_MEGAKERNEL=1`` is set."""
+    return os.environ.get(EXPERIMENTAL_ENV) == "1"
+
+
+def unsupported_reason(shape: MoEShape, config: MoKConfig, ep_size: int) -> Optional[str]:
+    """Why the megakernel does not take this call, or None. Reads no device state (the
+    device-dependent rules, comm SMs against the SM count, are checked by
+    :func:`resolve_tunables` before any GPU work)."""
+    if not experimental_enabled():
+        return (f"the megakernel is experimental and not yet validated on a GPU; set "
+                f"{EXPERIMENTAL_ENV}=1 to use it")
+    if config.tile_rows != BLOCK_ROWS:
+        return (f"tile_rows={config.tile_rows}; the megakernel's row blocks are {BLOCK_ROWS} rows "
+                "(the cuda backend takes 64)")
+    if shape.hidden % mk_ops.FC2_COLS:
+        return f"hidden size {shape.hidden} is not a multiple of {mk_ops.FC2_COLS} (the fc2 tile's columns)"
+    if shape.ffn_hidden % mk_ops.FC1_COLS:
+        return (f"expert FFN size {shape.ffn_hidden} is not a multiple of {mk_ops.FC1_COLS} "
+                "(the fc1 tile's h columns)")
+    if shape.experts_per_rank > mk_ops.MAX_EXPERTS:
+        return f"{shape.experts_per_rank} experts per rank exceed the megakernel's {mk_ops.MAX_EXPERTS}"
+    return cuda_backend.unsupported_reason(shape, config)  # the backward runs the cuda backend
+
+
+def sm_share(device: torch.device, ep_group: EPGroup) -> int:
+    """SMs one rank's launch may use: all of the device's, or an equal share for each virtual
+    rank of a :class:`LocalEPGroup` (their persistent kernels run at the same time and wait on
+    each other, so each must fit beside the others)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    P, _ = group_size_rank(ep_group)
+    return sms // P if isinstance(ep_group, LocalEPRank) else sms
+
+
+def resolve_tunables(config: MoKConfig, shape: MoEShape, ep_size: int, num_sms: int) -> MoKConfig:
+    """``config`` with its ``None`` tunables chosen (:meth:`MoKConfig.resolve`) for a launch of
+    ``num_sms`` CTAs, checked against the megakernel's rules.
+
+    Raises:
+        MoKConfigError: naming the tunable, its value and the rule.
+    """
+    if num_sms < 2:
+        raise MoKConfigError(f"the megakernel needs at least 2 SMs (one comm, one compute), this launch has {num_sms}")
+    resolved = config.resolve(hidden=shape.hidden, ffn_hidden=shape.ffn_hidden, num_sms=num_sms, ep_size=ep_size)
+    if resolved.minibatch_rows % BLOCK_ROWS:
+        raise MoKConfigError(f"MoKConfig.minibatch_rows={resolved.minibatch_rows} must be a multiple of "
+                             f"the megakernel's {BLOCK_ROWS}-row blocks")
+    if resolved.ring_rows % resolved.minibatch_rows or resolved.ring_rows < 2 * resolved.minibatch_rows:
+        raise MoKConfigError(
+            f"MoKConfig.ring_rows={resolved.ring_rows} must be a multiple of minibatch_rows="
+            f"{resolved.minibatch_rows} and at least two minibatches ({2 * resolved.minibatch_rows})")
+    return resolved
+
+
+def ring_bytes(ring_rows: int, hidden: int, ffn_hidden: int) -> int:
+    """Device memory of the ring (x / out rows, h rows, router weights), without the counters."""
+    return ring_rows * (hidden + ffn_hidden) * 2 + ring_rows * 4
+
+
+@dataclass
+class _Ring:
+    """One rank's ring and counters (local device memory, reused by every layer and call)."""
+
+    x: torch.Tensor         # bf16 [ring_rows, H]
+    h: torch.Tensor         # bf16 [ring_rows, I]
+    w: torch.Tensor         # fp32 [ring_rows]
+    counters: torch.Tensor  # int32 [counter_words(ring_rows)], reset by the kernel's first launch
+
+
+_rings: "weakref.WeakKeyDictionary[Workspace, Dict[Tuple[int, int], _Ring]]" = weakref.WeakKeyDictionary()
+
+
+def get_ring(ws: Workspace, ring_rows: int, ffn_hidden: int) -> _Ring:
+    """The ring of workspace ``ws`` for ``ring_rows`` rows and FFN size I (created once).
+    Like the workspace, it serves every layer: calls on one rank run one after another."""
+    per_ws = _rings.setdefault(ws, {})
+    key = (ring_rows, ffn_hidden)
+    if key not in per_ws:
+        dev = ws.device
+        per_ws[key] = _Ring(
+            x=torch.empty((ring_rows, ws.layout.hidden), dtype=torch.bfloat16, device=dev),
+            h=torch.empty((ring_rows, ffn_hidden), dtype=torch.bfloat16, device=dev),
+            w=torch.empty((ring_rows,), dtype=torch.float32, device=dev),
+            counters=torch.zeros((mk_ops.counter_words(ring_rows),), dtype=torch.int32, device=dev))
+    return per_ws[key]
+
+
+@dataclass(frozen=True)
+class _Call:
+    ws: Workspace
+    ring: _Ring
+    config: MoKConfig       # resolved
+    num_ctas: int
+    timeout_s: float
+    cuda_call: cuda_backend._Call
+
+
+class _MegakernelMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, call: _Call):
+        ws, ring, cfg = call.ws, call.ring, call.config
+        ws.raise_if_failed(call.timeout_s)
+        ws.publish(x, topk_ids, topk_weights)
+        ws.barrier(cuda_backend.SITE_FWD_DISPATCH, call.timeout_s)
+        table, counts, offsets, _ = ws.build_schedule(BLOCK_ROWS)
+        y = mk_ops.megakernel_forward(
+            ws.bases, ws.signal_bases, ws.layout.rows, ws.layout.scalars, ws.layout.slots, table, offsets, counts,
+            topk_ids, fc1, fc2, ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, ws.rank,
+            cfg.minibatch_rows, cfg.comm_sms_forward, call.num_ctas, int(call.timeout_s * 1e9))
+        ws.mirror_status()
+        ctx.save_for_backward(x, topk_ids, topk_weights, fc1, fc2, table, offsets)
+        ctx.call = call
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, topk_ids, topk_weights, fc1, fc2, table, offsets = ctx.saved_tensors
+        call: _Call = ctx.call
+        ws = call.ws
+        ws.raise_if_failed(call.timeout_s)
+        T, K, H = topk_ids.shape[0], ws.layout.topk, ws.layout.hidden
+        # Re-pull the forward's rows and router weights: publish them again (the workspace
+        # serves every layer), barrier, pull, and a second barrier so that no rank publishes dy
+        # over its tokens while a peer still pulls them.
+        ws.publish(x, None, topk_weights)
+        ws.barrier(SITE_BWD_REPUBLISH, call.timeout_s)
+        x_disp, w_disp = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, table, offsets,
+                                            K, table.shape[0], H, True, 0)
+        ws.barrier(SITE_BWD_REPULLED, call.timeout_s)
+        ab = cuda_backend._grouped_mm(x_disp, fc1.transpose(1, 2), offsets[1:])  # [R_cap, 2I]
+        # The cuda backend's backward from here on, with the recomputed activations in place
+        # of the ones its own forward keeps.
+        inner = SimpleNamespace(saved_tensors=(topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab),
+                                call=call.cuda_call, tokens=T)
+        dx, _, dw, d_fc1, d_fc2, _ = cuda_backend._CudaMoE.backward(inner, dy)
+        return dx, None, dw, d_fc1, d_fc2, None
+
+
+def megakernel_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_group: EPGroup,
+                   config: MoKConfig, shape: MoEShape) -> torch.Tensor:
+    """The ``megakernel`` backend of :func:`megatron_mok.functional.mok_moe` (validated inputs).
+
+    Args: as ``mok_moe``: x bf16 [T, H]; topk_ids int64 [T, K]; topk_weights fp32 [T, K];
+        fc1_weight bf16 [L, 2I, H]; fc2_weight bf16 [L, H, I].
+
+    Returns:
+        y bf16 [T, H].
+
+    Raises:
+        MoKConfigError: tunables that do not fit the megakernel or the device (before any GPU
+            work).
+    """
+    P, _ = group_size_rank(ep_group)
+    share = sm_share(x.device, ep_group)
+    resolved = resolve_tunables(config, shape, P, share)
+    ws = get_workspace(ep_group, x.device, tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk,
+                       experts_per_rank=shape.experts_per_rank, config=config)
+    ws.timeout_s = float(config.timeout_s)
+    ring = get_ring(ws, resolved.ring_rows, shape.ffn_hidden)
+    cuda_call = cuda_backend._Call(ws=ws, segment_rows=BLOCK_ROWS, timeout_s=float(config.timeout_s),
+                                   num_experts=P * shape.experts_per_rank, comm_blocks=0,
+                                   hopper_gemms=cuda_backend.hopper_gemms_apply(shape, BLOCK_ROWS))
+    num_ctas = share if isinstance(ep_group, LocalEPRank) else 0
+    call = _Call(ws=ws, ring=ring, config=resolved, num_ctas=num_ctas, timeout_s=float(config.timeout_s),
+                 cuda_call=cuda_call)
+    x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
+    # Everything the launch will check, before any GPU work (the schedule is built later).
+    mk_ops.check_forward_args(ws.bases, ws.signal_bases, None, None, None, topk_ids, fc1_weight, fc2_weight,
+                              ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, rank=ws.rank,
+                              minibatch_rows=resolved.minibatch_rows, comm_ctas=resolved.comm_sms_forward,
+                              num_ctas=num_ctas, timeout_ns=int(config.timeout_s * 1e9))
+    return _MegakernelMoE.apply(x, topk_ids, topk_weights, fc1_weight, fc2_weight, call)

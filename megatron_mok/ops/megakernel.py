@@ -1,0 +1,220 @@
+"""The forward megakernel (csrc/src/megakernel_fwd.cu) as the custom op ``mok::megakernel_forward``.
+
+One call runs, on the current stream, a small kernel that resets the megakernel's counters and
+takes the call's epoch, then the persistent kernel: pull dispatch into the ring, fc1 + SwiGLU
+and fc2 tile by tile, push combine into the home ranks' slots, the combine-done exchange and
+the fixed-order slot sum (docs/megakernel.md). Every size that depends on the routing stays on
+the device; the host passes only capacities.
+
+:func:`check_forward_args` validates everything before any GPU work (:class:`MegakernelArgumentError`
+names the value and the rule); :func:`plan_item` exposes the kernel's work plan to the CPU
+tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Tuple
+
+import torch
+
+from ._ptr import ptr, stream_of
+from .library import load_library
+
+BLOCK_ROWS = 128
+"""Rows of a row block: the schedule's tile_rows and the GEMM tile's height."""
+FC1_COLS = 128
+"""h columns of one fc1 tile (I must be a multiple)."""
+FC2_COLS = 256
+"""Output columns of one fc2 tile (H must be a multiple)."""
+MAX_EXPERTS = 1024
+"""Local experts per launch (per-CTA tables in shared memory)."""
+
+ITEM_KINDS = {1: "fc1", 2: "fc2", 3: "pull", 4: "push"}
+COUNTERS = {0: "x_ready", 1: "h_ready", 2: "out_ready", 3: "slot_free"}
+
+_i, _i64, _v = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+
+
+class MegakernelArgumentError(ValueError):
+    """An argument of the megakernel is outside what it takes; the message says which."""
+
+
+class MegakernelArgs(ctypes.Structure):
+    """Mirror of ``MokMegakernelArgs`` (csrc/include/mok/megakernel.h): every field 8 bytes."""
+
+    _fields_ = [
+        ("bases", _v), ("signal_bases", _v),
+        ("rows_offset", _i64), ("scalars_offset", _i64), ("slots_offset", _i64),
+        ("table", _v), ("offsets", _v), ("counts", _v), ("topk_ids", _v),
+        ("fc1_weight", _v), ("fc2_weight", _v),
+        ("ring_x", _v), ("ring_h", _v), ("ring_w", _v), ("counters", _v),
+        ("y", _v), ("epoch_counter", _v), ("status", _v),
+        ("timeout_ns", _i64),
+        ("P", _i64), ("rank", _i64), ("L", _i64), ("H", _i64), ("I", _i64), ("K", _i64), ("T", _i64),
+        ("ring_rows", _i64), ("minibatch_rows", _i64), ("comm_ctas", _i64), ("num_ctas", _i64),
+    ]
+
+
+def _lib():
+    lib = load_library()
+    return lib, {
+        "args_bytes": lib.function("mok_megakernel_args_bytes", _i64, []),
+        "counter_words": lib.function("mok_megakernel_counter_words", _i64, [_i]),
+        "plan_item": lib.function("mok_megakernel_plan_item", _i, [_i, _i, _i, _i, _i, _i, _i, _v]),
+        "forward": lib.function("mok_megakernel_forward", _i, [ctypes.POINTER(MegakernelArgs), _v]),
+    }
+
+
+def counter_words(ring_rows: int) -> int:
+    """int32 words of the counter buffer for a ring of ``ring_rows`` rows."""
+    _, fns = _lib()
+    return int(fns["counter_words"](ring_rows // BLOCK_ROWS))
+
+
+def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int, n1: int, n2: int) -> Tuple[str, int, int, str, int, int]:
+    """Item ``index`` of the ``queue`` ("compute" or "comm") of the kernel's work plan.
+
+    Returns (kind, row block, column block, counter waited on, its slot, target value; a
+    target <= 0 means no wait). Raises :class:`MegakernelArgumentError` for an index past the
+    queue's end or bad sizes.
+    """
+    lib, fns = _lib()
+    out = (ctypes.c_int32 * 6)()
+    code = fns["plan_item"]({"compute": 0, "comm": 1}[queue], index, n_blocks, mb_blocks, slots, n1, n2, out)
+    if code != 0:
+        raise MegakernelArgumentError(f"plan_item({queue!r}, {index}) for n_blocks={n_blocks}, "
+                                      f"mb_blocks={mb_blocks}, slots={slots}, n1={n1}, n2={n2}: "
+                                      f"{lib._dll.mok_error_string(code).decode()}")
+    kind, block, col, counter, slot, target = list(out)
+    return ITEM_KINDS[kind], block, col, COUNTERS[counter], slot, target
+
+
+# ---- argument checks -------------------------------------------------------------------------
+
+def _fail(msg: str):
+    raise MegakernelArgumentError(msg)
+
+
+def _tensor(name, t, dtype, ndim=None, numel=None, shape=None, device=None):
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        _fail(f"{name} must be {dtype}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        _fail(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        _fail(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if numel is not None and t.numel() != numel:
+        _fail(f"{name} must have {numel} elements, got {t.numel()}")
+    if not t.is_contiguous():
+        _fail(f"{name} must be contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
+    if device is not None and t.device != device:
+        _fail(f"{name} is on {t.device}, the other operands on {device}")
+
+
+def check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc1_weight, fc2_weight,
+                       ring_x, ring_h, ring_w, counters, epoch_counter, status, *, rank: int,
+                       minibatch_rows: int, comm_ctas: int, num_ctas: int, timeout_ns: int) -> None:
+    """Validate :func:`megakernel_forward`'s arguments (shapes, dtypes, the tunables' rules).
+    ``table``, ``offsets`` and ``counts`` may be None (checked later, when the schedule exists)."""
+    _tensor("fc1_weight", fc1_weight, torch.bfloat16, 3)
+    dev = fc1_weight.device
+    L, two_i, H = fc1_weight.shape
+    I = two_i // 2
+    _tensor("fc2_weight", fc2_weight, torch.bfloat16, shape=(L, H, I), device=dev)
+    if not 1 <= L <= MAX_EXPERTS:
+        _fail(f"L = {L} local experts is outside [1, {MAX_EXPERTS}]")
+    if H % FC2_COLS:
+        _fail(f"H = {H} must be a multiple of {FC2_COLS} (the fc2 tile's columns)")
+    if two_i % 2 or I % FC1_COLS:
+        _fail(f"I = {two_i / 2:g} must be a multiple of {FC1_COLS} (the fc1 tile's h columns)")
+    _tensor("bases", bases, torch.int64, 1, device=dev)
+    P = bases.numel()
+    _tensor("signal_bases", signal_bases, torch.int64, numel=P, device=dev)
+    if not 0 <= rank < P:
+        _fail(f"rank = {rank} is outside [0, P = {P})")
+    if table is not None:
+        _tensor("table", table, torch.int32, 2, device=dev)
+        if table.shape[1] != 2:
+            _fail(f"table must be [R_cap, 2], got {tuple(table.shape)}")
+    if offsets is not None:
+        _tensor("offsets", offsets, torch.int32, numel=L + 1, device=dev)
+    if counts is not None:
+        _tensor("counts", counts, torch.int32, numel=L, device=dev)
+    _tensor("topk_ids", topk_ids, torch.int64, 2, device=dev)
+    R = ring_x.shape[0] if isinstance(ring_x, torch.Tensor) and ring_x.dim() == 2 else -1
+    _tensor("ring_x", ring_x, torch.bfloat16, shape=(R, H), device=dev)
+    _tensor("ring_h", ring_h, torch.bfloat16, shape=(R, I), device=dev)
+    _tensor("ring_w", ring_w, torch.float32, shape=(R,), device=dev)
+    if minibatch_rows <= 0 or minibatch_rows % BLOCK_ROWS:
+        _fail(f"minibatch_rows = {minibatch_rows} must be a positive multiple of {BLOCK_ROWS}")
+    if R % minibatch_rows or R < 2 * minibatch_rows:
+        _fail(f"ring_rows = {R} must be a multiple of minibatch_rows = {minibatch_rows} and at least "
+              f"two minibatches ({2 * minibatch_rows}): a pull waits for the push of the block "
+              "one ring earlier, which must come earlier in the comm queue")
+    _tensor("counters", counters, torch.int32, numel=counter_words(R), device=dev)
+    _tensor("epoch_counter", epoch_counter, torch.int64, numel=1, device=dev)
+    _tensor("status", status, torch.int32, numel=8, device=dev)
+    if comm_ctas < 1:
+        _fail(f"comm_ctas = {comm_ctas} must be at least 1")
+    if num_ctas < 0 or (num_ctas and num_ctas <= comm_ctas):
+        _fail(f"num_ctas = {num_ctas} must be 0 (every SM) or above comm_ctas = {comm_ctas}")
+    if timeout_ns <= 0:
+        _fail(f"timeout_ns = {timeout_ns} must be positive")
+
+
+# ---- the op ----------------------------------------------------------------------------------
+
+@torch.library.custom_op("mok::megakernel_forward", mutates_args="unknown")
+def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_offset: int, scalars_offset: int,
+                       slots_offset: int, table: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
+                       topk_ids: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
+                       ring_x: torch.Tensor, ring_h: torch.Tensor, ring_w: torch.Tensor, counters: torch.Tensor,
+                       epoch_counter: torch.Tensor, status: torch.Tensor, rank: int, minibatch_rows: int,
+                       comm_ctas: int, num_ctas: int, timeout_ns: int) -> torch.Tensor:
+    """One MoE layer forward in one persistent launch (after the schedule kernel).
+
+    Args:
+        bases: int64 [P] device addresses of every rank's workspace region; rows_offset,
+            scalars_offset, slots_offset: byte offsets of the published bf16 tokens [T_cap, H],
+            fp32 router weights [T_cap, K] and bf16 combine slots [T_cap, K, H] in a region.
+        signal_bases: int64 [P] device addresses of every rank's uint64 [P] flag array.
+        table: int32 [R_cap, 2], offsets: int32 [L + 1], counts: int32 [L]: the schedule.
+        topk_ids: int64 [T, K] this rank's ids (which slots the sum adds).
+        fc1_weight: bf16 [L, 2I, H]; fc2_weight: bf16 [L, H, I].
+        ring_x: bf16 [ring_rows, H]; ring_h: bf16 [ring_rows, I]; ring_w: fp32 [ring_rows];
+        counters: int32 [counter_words(ring_rows)]: the ring and its counters (overwritten).
+        epoch_counter: int64 [1], the workspace's barrier counter (advanced by one).
+        status: int32 [8], the workspace's status word (timeouts are recorded there).
+        rank: this rank. minibatch_rows: rows per minibatch. comm_ctas: CTAs that move data.
+        num_ctas: CTAs of the launch (0: one per SM). timeout_ns: deadline of every wait.
+
+    Returns:
+        y: bf16 [T, H], the weighted sum over the top-k slots (NaN if a status flag is set).
+    """
+    check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc1_weight, fc2_weight, ring_x,
+                       ring_h, ring_w, counters, epoch_counter, status, rank=rank, minibatch_rows=minibatch_rows,
+                       comm_ctas=comm_ctas, num_ctas=num_ctas, timeout_ns=timeout_ns)
+    T, K = topk_ids.shape
+    L, two_i, H = fc1_weight.shape
+    y = torch.empty((T, H), dtype=torch.bfloat16, device=fc1_weight.device)
+    args = MegakernelArgs(
+        bases=bases.data_ptr(), signal_bases=signal_bases.data_ptr(), rows_offset=rows_offset,
+        scalars_offset=scalars_offset, slots_offset=slots_offset, table=table.data_ptr(),
+        offsets=offsets.data_ptr(), counts=counts.data_ptr(), topk_ids=topk_ids.data_ptr() if T else 0,
+        fc1_weight=fc1_weight.data_ptr(), fc2_weight=fc2_weight.data_ptr(), ring_x=ring_x.data_ptr(),
+        ring_h=ring_h.data_ptr(), ring_w=ring_w.data_ptr(), counters=counters.data_ptr(),
+        y=y.data_ptr() if T else 0, epoch_counter=epoch_counter.data_ptr(), status=status.data_ptr(),
+        timeout_ns=timeout_ns, P=bases.numel(), rank=rank, L=L, H=H, I=two_i // 2, K=K, T=T,
+        ring_rows=ring_x.shape[0], minibatch_rows=minibatch_rows, comm_ctas=comm_ctas, num_ctas=num_ctas)
+    lib, fns = _lib()
+    lib.check(fns["forward"](ctypes.byref(args), stream_of(y)), "mok_megakernel_forward")
+    return y
+
+
+@megakernel_forward.register_fake
+def _(bases, signal_bases, rows_offset, scalars_offset, slots_offset, table, offsets, counts, topk_ids,
+      fc1_weight, fc2_weight, ring_x, ring_h, ring_w, counters, epoch_counter, status, rank, minibatch_rows,
+      comm_ctas, num_ctas, timeout_ns):
+    return fc1_weight.new_empty((topk_ids.shape[0], fc1_weight.shape[2]))
