@@ -16,6 +16,7 @@ and across (comm SMs, minibatch, ring) settings; CUDA graph replay; the timeout.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import logging
 import random
@@ -408,6 +409,8 @@ def _run(case, ep_groups, config, streams=None, backward=True):
     """Forward (and backward) of every rank with the megakernel, each rank on its stream when
     given. Returns per rank (y, dx, dw, d_fc1, d_fc2) (grads None without backward)."""
     P = len(case.x)
+    # A wait that never ends shows up as a MoKTimeoutError naming the site after 20 s.
+    config = dataclasses.replace(config, timeout_s=min(config.timeout_s, 20.0))
     leaves = [_leaves(case, r) for r in range(P)]
     ys = []
     main = torch.cuda.current_stream()
@@ -691,7 +694,7 @@ def _p2_worker(rank, world, specs):
         leaves = _leaves(case, rank)
         runs = []
         for config in P2_SETTINGS + P2_SETTINGS[:1]:
-            config = MoKConfig(max_tokens_per_rank=4096, comm_sms_forward=config.comm_sms_forward,
+            config = MoKConfig(max_tokens_per_rank=4096, timeout_s=20.0, comm_sms_forward=config.comm_sms_forward,
                                minibatch_rows=config.minibatch_rows, ring_rows=config.ring_rows)
             x, w, fc1, fc2 = (t.detach().clone().requires_grad_() for t in leaves)
             y = mok_moe(x, case.ids[rank], w, fc1, fc2, ep_group=group, config=config, backend="megakernel")

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Validates the experimental forward megakernel on H200s in one go (one device call): builds
+# the library, runs tests/test_megakernel.py (its GPU tests; the gpu2 test when two GPUs are
+# there), then times the forward at the Kimi-K2 shapes of DESIGN.md section 6 next to the cuda
+# backend: P = 1 with 192 and 6 experts per GPU, a few comm-SM settings; with two GPUs also
+# the layer benchmark under torchrun (megakernel and cuda backends, forward and backward).
+#
+#   scripts/gpu_validate_megakernel.sh [OUT_DIR]      (default: $OUT, else /tmp/mok-megakernel)
+#
+# Writes OUT_DIR/tests.log, OUT_DIR/timing-p1.log and, with two GPUs, OUT_DIR/layer-mk.*; the
+# exit status is non-zero when a step failed. Every step has a time limit; the whole script
+# stays under 10 minutes. MOK_EXPERIMENTAL_MEGAKERNEL=1 is set for all of it.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+out=${1:-${OUT:-/tmp/mok-megakernel}}
+mkdir -p "$out"
+py=${MOK_PYTHON_BIN:-python3}
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export MOK_EXPERIMENTAL_MEGAKERNEL=1
+failed=0
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+step "build"
+"$py" -m megatron_mok._build --out "$out/lib" || { echo "build failed"; exit 1; }
+export MOK_LIBRARY="$out/lib/libmegatron_mok.so"
+gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+echo "GPUs: $gpus"
+
+step "tests/test_megakernel.py"
+timeout 300 "$py" -m pytest -q -rs --timeout=150 tests/test_megakernel.py 2>&1 | tee "$out/tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+
+step "timing, P = 1, Kimi-K2 shapes (T=4096, K=8, H=7168, I=2048)"
+timeout 120 "$py" - <<'PY' 2>&1 | tee "$out/timing-p1.log"
+import statistics
+
+import torch
+
+from megatron_mok import MoKConfig
+from megatron_mok.functional import check_errors, mok_moe
+
+T, K, H, I = 4096, 8, 7168, 2048
+flop = 6 * T * K * H * I
+
+
+def median_ms(fn, iters=10, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+for L in (192, 6):
+    g = torch.Generator(device="cuda").manual_seed(L)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    ids = torch.rand(T, L, device="cuda", generator=g).argsort(dim=1)[:, :K] if L >= K else \
+        torch.randint(0, L, (T, K), device="cuda", generator=g)
+    w = torch.rand(T, K, device="cuda", generator=g)
+    fc1 = (torch.randn(L, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
+    fc2 = (torch.randn(L, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
+    with torch.no_grad():
+        ref = mok_moe(x, ids, w, fc1, fc2, backend="cuda")
+        ms = median_ms(lambda: mok_moe(x, ids, w, fc1, fc2, backend="cuda"))
+        print(f"L={L:4d} cuda backend           forward {ms:7.3f} ms  {flop / ms / 1e9:6.1f} TFLOP/s", flush=True)
+        for comm, mb, ring in ((None, None, None), (4, None, None), (8, None, None), (16, None, None),
+                               (8, 1024, 4096), (16, 4096, 8192)):
+            cfg = MoKConfig(comm_sms_forward=comm, minibatch_rows=mb, ring_rows=ring)
+            try:
+                y = mok_moe(x, ids, w, fc1, fc2, config=cfg, backend="megakernel")
+                torch.cuda.synchronize()
+                check_errors()
+                err = float((y.float() - ref.float()).norm() / ref.float().norm())
+                ms = median_ms(lambda: mok_moe(x, ids, w, fc1, fc2, config=cfg, backend="megakernel"))
+                check_errors()
+            except Exception as e:  # report and go on with the next setting
+                print(f"L={L:4d} megakernel comm={comm} mb={mb} ring={ring}: FAILED {type(e).__name__}: {e}", flush=True)
+                continue
+            print(f"L={L:4d} megakernel comm={comm!s:>4} mb={mb!s:>5} ring={ring!s:>5} forward {ms:7.3f} ms  "
+                  f"{flop / ms / 1e9:6.1f} TFLOP/s  rel. diff to cuda {err:.2e}", flush=True)
+    del fc1, fc2
+    torch.cuda.empty_cache()
+PY
+[ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+
+if [ "$gpus" -ge 2 ]; then
+  step "layer benchmark, P = 2 (torchrun): megakernel and cuda backends, Kimi-K2, full and 6 experts/GPU"
+  timeout 170 "$py" -m torch.distributed.run --nproc-per-node 2 -m megatron_mok.bench layer --shape kimi-k2 \
+    --tokens 4096 --experts-per-gpu full 6 --backends mok-megakernel,mok-cuda --warmup 3 --iters 10 \
+    --check-tokens 256 --out "$out" --name layer-mk 2>&1 | tail -n 60
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+fi
+
+step "done: $([ $failed -eq 0 ] && echo all steps passed || echo SOME STEP FAILED)"
+exit $failed
