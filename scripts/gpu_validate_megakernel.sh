@@ -30,7 +30,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 echo "GPUs: $gpus"
 
 step "tests/test_megakernel.py"
-timeout 300 "$py" -m pytest -q -rs --timeout=150 tests/test_megakernel.py 2>&1 | tee "$out/tests.log"
+# --maxfail bounds the time a broken kernel costs (each failing wait takes the tests' 20 s).
+timeout 300 "$py" -m pytest -v -rs --timeout=150 --maxfail=4 tests/test_megakernel.py 2>&1 | tee "$out/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
 
 step "timing, P = 1, Kimi-K2 shapes (T=4096, K=8, H=7168, I=2048)"

@@ -271,6 +271,7 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
       cudaFuncSetAttribute(forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   MOK_RETURN_IF_CUDA_ERROR(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, forward_kernel, g::kThreads, kSmemBytes));
+  if (per_sm < 1) return MOK_ERR_UNSUPPORTED;  // the CTA does not fit an SM of this device
   int64_t grid = (int64_t)sms * per_sm;
   if (a.num_ctas > 0 && a.num_ctas < grid) grid = a.num_ctas;
   if (grid <= a.comm_ctas) return MOK_ERR_INVALID_ARGUMENT;  // no CTA left to compute

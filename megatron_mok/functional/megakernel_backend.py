@@ -226,6 +226,7 @@ def megakernel_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_grou
     call = _Call(ws=ws, ring=ring, config=resolved, num_ctas=num_ctas, timeout_s=float(config.timeout_s),
                  cuda_call=cuda_call)
     x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
+    fc1_weight, fc2_weight = fc1_weight.contiguous(), fc2_weight.contiguous()  # TMA maps need row-major
     # Everything the launch will check, before any GPU work (the schedule is built later).
     mk_ops.check_forward_args(ws.bases, ws.signal_bases, None, None, None, topk_ids, fc1_weight, fc2_weight,
                               ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, rank=ws.rank,

@@ -65,8 +65,9 @@ MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_
 // timeout is recorded in `status` (MOK_STATUS_TIMEOUT, the site, the peer) and the launch
 // finishes; y is NaN whenever any status flag is set. No host synchronisation; CUDA-graph
 // capturable. Needs H % 256 == 0, I % 128 == 0, 1 <= L <= 1024, offsets padded to 128 rows.
-// Returns MOK_OK, a cudaError_t (> 0) or MOK_ERR_INVALID_ARGUMENT (argument checks come first,
-// before any CUDA call).
+// Returns MOK_OK, a cudaError_t (> 0), MOK_ERR_INVALID_ARGUMENT (argument checks come first,
+// before any CUDA call; also when the grid leaves no CTA beside the comm CTAs) or
+// MOK_ERR_UNSUPPORTED (the CTA's shared memory does not fit an SM of this device).
 MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t stream);
 
 // Timeout sites of the megakernel's waits (MOK_STATUS_WHERE); 1-4 are the cuda backend's
