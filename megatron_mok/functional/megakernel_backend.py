@@ -38,24 +38,12 @@ from ..ops import megakernel as mk_ops
 from . import cuda_backend
 from .groups import EPGroup, LocalEPRank, group_size_rank
 from .validate import MoEShape
-from .workspace import SITE_NAMES, Workspace, get_workspace
+from .workspace import Workspace, get_workspace
 
 EXPERIMENTAL_ENV = "MOK_EXPERIMENTAL_MEGAKERNEL"
 """Environment variable that must be "1" for the megakernel to be used at all."""
 
-SITE_BWD_REPUBLISH, SITE_BWD_REPULLED = 5, 6
-# Timeout sites, as the kernels record them in the status word (csrc/include/mok/megakernel.h
-# for 7-11); registered in the workspace's table so timeouts name them.
-MEGAKERNEL_SITES = {
-    SITE_BWD_REPUBLISH: "megakernel backward (waiting for every rank to publish its tokens again)",
-    SITE_BWD_REPULLED: "megakernel backward (waiting for every rank to re-pull its tokens)",
-    7: "forward megakernel, inside this rank's launch (fc1 waiting for its pulled rows)",
-    8: "forward megakernel, inside this rank's launch (fc2 waiting for its row block's fc1)",
-    9: "forward megakernel, inside this rank's launch (push waiting for its row block's fc2)",
-    10: "forward megakernel, inside this rank's launch (pull waiting for a free ring slot)",
-    11: "forward megakernel combine (waiting for every rank to push its expert outputs)",
-}
-SITE_NAMES.update(MEGAKERNEL_SITES)
+SITE_BWD_REPUBLISH, SITE_BWD_REPULLED = 5, 6  # named in workspace.SITE_NAMES
 
 BLOCK_ROWS = mk_ops.BLOCK_ROWS
 
