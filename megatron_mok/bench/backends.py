@@ -9,6 +9,8 @@ or on its first call.
 
 from __future__ import annotations
 
+import abc
+
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -87,23 +89,24 @@ Grads = Dict[str, torch.Tensor]
 """{"x": [T, H], "topk_weights": [T, K], "fc1_weight": [L, 2I, H], "fc2_weight": [L, H, I]}"""
 
 
-class Runner:
+class Runner(abc.ABC):
     """A backend prepared for one set of expert weights (``experts``); it runs any
     :class:`TokenBatch`."""
 
     name = ""
     experts: Experts
 
+    @abc.abstractmethod
     def forward(self, batch: TokenBatch, mark: Mark = None) -> torch.Tensor:
         """Run the forward on ``batch``; returns y [T, H], attached to the autograd graph."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def grads(self, batch: TokenBatch) -> Grads:
         """Gradients accumulated by the backward(s) of ``batch`` since :meth:`zero_grad`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def zero_grad(self, batch: TokenBatch) -> None:
-        raise NotImplementedError
+        """Clear the gradients of ``batch``'s inputs and of the expert weights."""
 
     def close(self) -> None:
         """Release what the runner holds (a Megatron layer's copy of the weights)."""
