@@ -359,7 +359,7 @@ def _use_prebuilt_dataset_helpers() -> None:
     import megatron.core.datasets.utils as dataset_utils
 
     try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
+        import megatron.core.datasets.helpers_cpp  # noqa: F401  (only: does it import?)
     except ImportError:
         return  # a source checkout: let Megatron build them as usual
     dataset_utils.compile_helpers = lambda: None

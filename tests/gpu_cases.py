@@ -3,6 +3,7 @@ gradients (tests/cases.py's grouped_oracle)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import List, Sequence
 
@@ -66,3 +67,66 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0
     denom = b.norm()
     return float((a - b).norm() / denom) if denom > 0 else float((a - b).norm())
+
+
+# ------------------------------------------------------------------------------------------
+# Running a backend on every rank of a case, and judging the results.
+
+TOL = 1.5e-2  # bf16 operands and intermediates against an fp32 oracle
+
+
+def leaves(case: GpuCase, rank: int):
+    """Fresh leaf copies (x, router weights, fc1, fc2) of ``rank``'s inputs, requiring grad."""
+    leaf = lambda t: t.detach().clone().requires_grad_()
+    return (leaf(case.x[rank]), leaf(case.weights[rank]), leaf(case.local(case.fc1_all, rank)),
+            leaf(case.local(case.fc2_all, rank)))
+
+
+def run_case(case: GpuCase, ep_groups, config, backend: str, streams=None, backward: bool = True):
+    """Forward, then backward, of every rank of ``case`` with ``backend``, each rank on its own
+    stream when ``streams`` is given (virtual ranks), then a synchronisation and
+    :func:`megatron_mok.functional.check_errors`. Returns per rank (y, dx, dw, d_fc1, d_fc2);
+    the gradients are None without ``backward``."""
+    from megatron_mok.functional import check_errors, mok_moe
+
+    P = len(case.x)
+    per_rank = [leaves(case, r) for r in range(P)]
+    ys = []
+    main = torch.cuda.current_stream()
+    for r in range(P):
+        if streams:
+            streams[r].wait_stream(main)
+        with torch.cuda.stream(streams[r]) if streams else contextlib.nullcontext():
+            x, w, fc1, fc2 = per_rank[r]
+            ys.append(mok_moe(x, case.ids[r], w, fc1, fc2, ep_group=ep_groups[r], config=config, backend=backend))
+    if backward:
+        for r in range(P):
+            with torch.cuda.stream(streams[r]) if streams else contextlib.nullcontext():
+                ys[r].backward(case.dy[r])
+    torch.cuda.synchronize()
+    check_errors()
+    return [(ys[r].detach(),) + tuple(t.grad for t in per_rank[r]) for r in range(P)]
+
+
+def check_against_oracle(case: GpuCase, results, label: str, with_grads: bool = True) -> None:
+    """Assert every rank's (y, dx, dw, d_fc1, d_fc2) is within :data:`TOL` of the fp32 oracle."""
+    ys, dxs, dws, d1, d2 = oracle(case)
+    for r, (y, dx, dw, g1, g2) in enumerate(results):
+        where = f"{label}, rank {r}"
+        assert y.dtype == torch.bfloat16 and y.shape == ys[r].shape, where
+        pairs = [("y", y, ys[r])]
+        if with_grads:
+            pairs += [("dx", dx, dxs[r]), ("dw", dw, dws[r]), ("d_fc1", g1, case.local(d1, r)),
+                      ("d_fc2", g2, case.local(d2, r))]
+        for name, got, want in pairs:
+            err = rel_err(got, want)
+            assert err < TOL, f"{where}: {name} relative error {err:.3e} (tolerance {TOL})"
+
+
+def assert_equal_runs(a, b, label: str) -> None:
+    """Assert two results of :func:`run_case` are bitwise identical."""
+    for r, (ra, rb) in enumerate(zip(a, b)):
+        for name, x, y in zip(("y", "dx", "dw", "d_fc1", "d_fc2"), ra, rb):
+            if x is None and y is None:
+                continue
+            assert torch.equal(x, y), f"{label}: rank {r} {name} differs"

@@ -16,57 +16,21 @@ from megatron_mok.functional import (LocalEPGroup, MoKCapacityError, MoKRuntimeE
 from megatron_mok.functional.workspace import release_workspaces
 
 from .distributed import run_ranks
-from .gpu_cases import gpu_case, oracle, rel_err
+from .gpu_cases import TOL, check_against_oracle, gpu_case, leaves, oracle, rel_err, run_case
 
 pytestmark = pytest.mark.gpu
-TOL = 1.5e-2  # bf16 operands and intermediates against an fp32 oracle
-
-
 def _leaves(case, rank):
-    leaf = lambda t: t.detach().clone().requires_grad_()
-    return (leaf(case.x[rank]), leaf(case.weights[rank]), leaf(case.local(case.fc1_all, rank)),
-            leaf(case.local(case.fc2_all, rank)))
+    return leaves(case, rank)
 
 
 def _run_ranks(case, ep_groups, config, streams=None):
-    """Forward then backward of every rank (each on its own stream when given). Returns per
-    rank (y, dx, dw, d_fc1, d_fc2)."""
-    P = len(case.x)
-    leaves = [_leaves(case, r) for r in range(P)]
-    ys = []
-    main = torch.cuda.current_stream()
-    for r in range(P):
-        ctx = torch.cuda.stream(streams[r]) if streams else _nullctx()
-        if streams:
-            streams[r].wait_stream(main)
-        with ctx:
-            x, w, fc1, fc2 = leaves[r]
-            ys.append(mok_moe(x, case.ids[r], w, fc1, fc2, ep_group=ep_groups[r], config=config, backend="cuda"))
-    for r in range(P):
-        ctx = torch.cuda.stream(streams[r]) if streams else _nullctx()
-        with ctx:
-            ys[r].backward(case.dy[r])
-    torch.cuda.synchronize()
-    return [(ys[r].detach(),) + tuple(t.grad for t in leaves[r]) for r in range(P)]
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    """Forward then backward of every rank with the cuda backend (each on its own stream when
+    given). Returns per rank (y, dx, dw, d_fc1, d_fc2)."""
+    return run_case(case, ep_groups, config, "cuda", streams)
 
 
 def _check_against_oracle(case, results, label):
-    ys, dxs, dws, d1, d2 = oracle(case)
-    for r, (y, dx, dw, g1, g2) in enumerate(results):
-        where = f"{label}, rank {r}"
-        assert y.dtype == torch.bfloat16 and y.shape == ys[r].shape, where
-        for name, got, want in (("y", y, ys[r]), ("dx", dx, dxs[r]), ("dw", dw, dws[r]),
-                                ("d_fc1", g1, case.local(d1, r)), ("d_fc2", g2, case.local(d2, r))):
-            err = rel_err(got, want)
-            assert err < TOL, f"{where}: {name} relative error {err:.3e} (tolerance {TOL})"
+    check_against_oracle(case, results, label)
 
 
 # (seed, tokens per rank, H, I, experts per rank, top-k, routing)

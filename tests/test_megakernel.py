@@ -388,45 +388,19 @@ def test_op_checks_name_the_bad_value(use_lib, over, message):
 
 # ---- GPU -------------------------------------------------------------------------------------
 
-TOL = 1.5e-2  # bf16 operands and intermediates against an fp32 oracle
-
-
 def _leaves(case, rank):
-    leaf = lambda t: t.detach().clone().requires_grad_()
-    return (leaf(case.x[rank]), leaf(case.weights[rank]), leaf(case.local(case.fc1_all, rank)),
-            leaf(case.local(case.fc2_all, rank)))
+    from .gpu_cases import leaves
 
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    return leaves(case, rank)
 
 
 def _run(case, ep_groups, config, streams=None, backward=True):
-    """Forward (and backward) of every rank with the megakernel, each rank on its stream when
-    given. Returns per rank (y, dx, dw, d_fc1, d_fc2) (grads None without backward)."""
-    P = len(case.x)
+    """Forward (and backward) of every rank with the megakernel (see gpu_cases.run_case)."""
+    from .gpu_cases import run_case
+
     # A wait that never ends shows up as a MoKTimeoutError naming the site after 20 s.
     config = dataclasses.replace(config, timeout_s=min(config.timeout_s, 20.0))
-    leaves = [_leaves(case, r) for r in range(P)]
-    ys = []
-    main = torch.cuda.current_stream()
-    for r in range(P):
-        if streams:
-            streams[r].wait_stream(main)
-        with torch.cuda.stream(streams[r]) if streams else _nullctx():
-            x, w, fc1, fc2 = leaves[r]
-            ys.append(mok_moe(x, case.ids[r], w, fc1, fc2, ep_group=ep_groups[r], config=config, backend="megakernel"))
-    if backward:
-        for r in range(P):
-            with torch.cuda.stream(streams[r]) if streams else _nullctx():
-                ys[r].backward(case.dy[r])
-    torch.cuda.synchronize()
-    check_errors()
-    return [(ys[r].detach(),) + tuple(t.grad for t in leaves[r]) for r in range(P)]
+    return run_case(case, ep_groups, config, "megakernel", streams, backward)
 
 
 def _poison_workspaces_and_rings():
@@ -443,27 +417,15 @@ def _poison_workspaces_and_rings():
 
 
 def _check_against_oracle(case, results, label, with_grads=True):
-    from .gpu_cases import oracle, rel_err
+    from .gpu_cases import check_against_oracle
 
-    ys, dxs, dws, d1, d2 = oracle(case)
-    for r, (y, dx, dw, g1, g2) in enumerate(results):
-        where = f"{label}, rank {r}"
-        assert y.dtype == torch.bfloat16 and y.shape == ys[r].shape, where
-        pairs = [("y", y, ys[r])]
-        if with_grads:
-            pairs += [("dx", dx, dxs[r]), ("dw", dw, dws[r]), ("d_fc1", g1, case.local(d1, r)),
-                      ("d_fc2", g2, case.local(d2, r))]
-        for name, got, want in pairs:
-            err = rel_err(got, want)
-            assert err < TOL, f"{where}: {name} relative error {err:.3e} (tolerance {TOL})"
+    check_against_oracle(case, results, label, with_grads)
 
 
 def _assert_equal_runs(a, b, label):
-    for r, (ra, rb) in enumerate(zip(a, b)):
-        for name, x, y in zip(("y", "dx", "dw", "d_fc1", "d_fc2"), ra, rb):
-            if x is None and y is None:
-                continue
-            assert torch.equal(x, y), f"{label}: rank {r} {name} differs"
+    from .gpu_cases import assert_equal_runs
+
+    assert_equal_runs(a, b, label)
 
 
 # (seed, tokens per rank, H, I, experts per rank, top-k, routing, config)
@@ -702,6 +664,8 @@ def _p2_worker(rank, world, specs):
             torch.cuda.synchronize()
             check_errors()
             runs.append((y.detach(), x.grad, w.grad, fc1.grad, fc2.grad))
+        from .gpu_cases import TOL
+
         ys, dxs, dws, d1, d2 = oracle(case)
         want = (ys[rank], dxs[rank], dws[rank], case.local(d1, rank), case.local(d2, rank))
         for name, got, ref in zip(("y", "dx", "dw", "d_fc1", "d_fc2"), runs[0], want):

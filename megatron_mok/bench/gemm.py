@@ -303,7 +303,7 @@ def run_case(c: Case, label: dict, sw, rows_out: List[Row], wgrad_fp32: bool) ->
         out = torch.empty(L, M, N, dtype=torch.bfloat16, device=a.device)
         ours, err = {}, 0.0
         for tma in (False, True):
-            f = lambda: gg.launch_weight_grad(a, b, c.offsets, out, tma_store=tma)  # noqa: E731
+            f = lambda out=out, tma=tma: gg.launch_weight_grad(a, b, c.offsets, out, tma_store=tma)  # noqa: E731
             f()
             err = max(err, rel_err(out, t_out))
             ours["m128n256" + ("t" if tma else "")] = time_ms(f)

@@ -16,7 +16,7 @@ from .groups import EPGroup, LocalEPGroup, LocalEPRank, group_size_rank
 from .validate import MoKInputError, check_backend_name, check_inputs
 from .workspace import MoKCapacityError, MoKRuntimeError, MoKTimeoutError, check_errors
 
-__all__ = ["mok_moe", "check_errors", "LocalEPGroup", "MoKInputError", "MoKConfigError", "MoKCapacityError",
+__all__ = ["mok_moe", "check_errors", "LocalEPGroup", "LocalEPRank", "EPGroup", "group_size_rank", "MoKInputError", "MoKConfigError", "MoKCapacityError",
            "MoKRuntimeError", "MoKTimeoutError", "BackendUnavailable"]
 
 

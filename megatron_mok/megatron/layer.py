@@ -31,7 +31,7 @@ import torch
 from megatron.core import tensor_parallel, utils
 from megatron.core.transformer.moe.moe_layer import BaseMoELayer, MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import MoECudaGraphTensorStore, get_default_pg_collection
-from megatron.core.typed_torch import apply_module, not_none
+from megatron.core.typed_torch import not_none
 
 from ..functional import mok_moe
 from .dispatcher import MoKTokenDispatcher

@@ -18,7 +18,7 @@ from typing import Tuple
 
 import torch
 
-from ._ptr import ptr, stream_of
+from ._ptr import stream_of
 from .library import load_library
 
 BLOCK_ROWS = 128
