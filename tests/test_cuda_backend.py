@@ -16,7 +16,7 @@ from megatron_mok.functional import (LocalEPGroup, MoKCapacityError, MoKRuntimeE
 from megatron_mok.functional.workspace import release_workspaces
 
 from .distributed import run_ranks
-from .gpu_cases import TOL, check_against_oracle, gpu_case, leaves, oracle, rel_err, run_case
+from .gpu_cases import TOL, check_against_oracle, check_graph_replay, gpu_case, leaves, oracle, rel_err, run_case
 
 pytestmark = pytest.mark.gpu
 def _leaves(case, rank):
@@ -89,36 +89,7 @@ def test_cuda_backend_virtual_ranks_match_oracle(spec):
 
 
 def test_cuda_backend_cuda_graph_replays_with_new_inputs():
-    H, I, L, K, T = 2048, 1024, 8, 4, 1536
-    case = gpu_case(21, [T], H, I, L, K)
-    x, w, fc1, fc2 = _leaves(case, 0)
-    ids, dy = case.ids[0].clone(), case.dy[0].clone()
-    config = MoKConfig()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up creates the workspace and loads the library
-        for _ in range(2):
-            mok_moe(x, ids, w, fc1, fc2, config=config, backend="cuda").backward(dy)
-    torch.cuda.current_stream().wait_stream(side)
-    for t in (x, w, fc1, fc2):
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = mok_moe(x, ids, w, fc1, fc2, config=config, backend="cuda")
-        y_static.backward(dy)
-    grads_static = [x.grad, w.grad, fc1.grad, fc2.grad]
-
-    for seed in (22, 23):  # new inputs and new routing, same shapes
-        new = gpu_case(seed, [T], H, I, L, K, "zipf")
-        with torch.no_grad():
-            x.copy_(new.x[0]); w.copy_(new.weights[0]); ids.copy_(new.ids[0]); dy.copy_(new.dy[0])
-            fc1.copy_(new.fc1_all); fc2.copy_(new.fc2_all)
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = _run_ranks(new, [None], config)[0]
-        assert torch.equal(y_static, eager[0]), "graph replay output differs from eager"
-        for got, want, name in zip(grads_static, eager[1:], ("dx", "dw", "d_fc1", "d_fc2")):
-            assert torch.equal(got, want), f"graph replay {name} differs from eager"
+    check_graph_replay("cuda", MoKConfig(), seeds=(21, 22, 23))
 
 
 def test_barrier_timeout_names_the_missing_rank():

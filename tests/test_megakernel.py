@@ -566,37 +566,9 @@ def test_megakernel_is_bitwise_identical_across_settings(experimental, virtual):
 
 @pytest.mark.gpu
 def test_megakernel_cuda_graph_replays_with_new_inputs(experimental):
-    from .gpu_cases import gpu_case
+    from .gpu_cases import check_graph_replay
 
-    H, I, L, K, T = 2048, 1024, 8, 4, 1536
-    case = gpu_case(141, [T], H, I, L, K)
-    x, w, fc1, fc2 = _leaves(case, 0)
-    ids, dy = case.ids[0].clone(), case.dy[0].clone()
-    config = MoKConfig(minibatch_rows=256, ring_rows=512)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: workspace, ring, library
-        for _ in range(2):
-            mok_moe(x, ids, w, fc1, fc2, config=config, backend="megakernel").backward(dy)
-    torch.cuda.current_stream().wait_stream(side)
-    for t in (x, w, fc1, fc2):
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = mok_moe(x, ids, w, fc1, fc2, config=config, backend="megakernel")
-        y_static.backward(dy)
-    grads_static = [x.grad, w.grad, fc1.grad, fc2.grad]
-    for seed in (142, 143):  # new inputs and routing, same shapes
-        new = gpu_case(seed, [T], H, I, L, K, "zipf")
-        with torch.no_grad():
-            x.copy_(new.x[0]); w.copy_(new.weights[0]); ids.copy_(new.ids[0]); dy.copy_(new.dy[0])
-            fc1.copy_(new.fc1_all); fc2.copy_(new.fc2_all)
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = _run(new, [None], config)[0]
-        assert torch.equal(y_static, eager[0]), "graph replay output differs from eager"
-        for got, want, name in zip(grads_static, eager[1:], ("dx", "dw", "d_fc1", "d_fc2")):
-            assert torch.equal(got, want), f"graph replay {name} differs from eager"
+    check_graph_replay("megakernel", MoKConfig(minibatch_rows=256, ring_rows=512), seeds=(141, 142, 143))
 
 
 @pytest.mark.gpu
