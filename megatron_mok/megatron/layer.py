@@ -17,6 +17,11 @@ Forward, for hidden states [S, B, H] of this rank (T = S * B tokens):
    every token gets extra slots for it (weight 1, or the shared-expert gate);
 5. ``y + shared`` reshaped to [S, B, H]; the bias output is None.
 
+The expert module's per-expert parameters are moved into one [L, 2I, H] and one [L, H, I]
+buffer when the layer is built (and again after a ``.to()``/``.cuda()`` that gives them new
+storage), so step 4 reads them as views, without a copy, while they stay stacked; see
+:mod:`.experts` and :meth:`MoKMoELayer._expert_weights`.
+
 Megatron's staged methods (``preprocess``, ``dispatch``, ``routed_experts_compute``, ``combine``,
 ``postprocess``) keep working through :class:`~.dispatcher.MoKTokenDispatcher`.
 """
@@ -35,9 +40,16 @@ from megatron.core.typed_torch import not_none
 
 from ..functional import mok_moe
 from .dispatcher import MoKTokenDispatcher
-from .experts import local_expert_weights, shared_expert_weights, stacked
+from .experts import (
+    REVERSED,
+    expert_layout,
+    local_expert_weights,
+    shared_expert_weights,
+    stack_expert_storage,
+    stack_experts,
+)
 from .peers import check_ep_peer_access, gpu_backend_will_run
-from .routing import remap_for_fused_shared, routing_to_topk
+from .routing import remap_for_fused_shared, reverse_local_expert_ids, routing_to_topk
 from .settings import MoKLayerSettings, settings_for
 from .validation import check_supported, warn_ignored_settings
 
@@ -101,6 +113,13 @@ class MoKMoELayer(MoELayer):
             self.num_local_experts, self.config, pg_collection=pg_collection,
             name=(name + ".experts") if name is not None else None,
         )
+        # One [L, 2I, H] and one [L, H, I] buffer behind the per-expert parameters (same
+        # parameter objects and values), so the forward reads them without a copy.
+        stack_expert_storage(self.experts, self.num_local_experts)
+        # Expert order of the stacked weights (see _expert_weights): what this rank's layout
+        # prefers, and what the EP group agreed on for that preference.
+        self._mok_prefers_reversed: Optional[bool] = None
+        self._mok_reversed = False
         if self.use_shared_expert:
             if self.submodules.shared_experts is None:
                 raise ValueError("the MoE spec has no shared-expert builder, but "
@@ -123,15 +142,70 @@ class MoKMoELayer(MoELayer):
     # ------------------------------------------------------------------------------------------
     # The fused path.
 
-    def _expert_weights(self) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    def _apply(self, fn, recurse=True):
+        """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.bfloat16()``, ``to_empty()``), then,
+        if that gave the expert parameters new storage (a device or dtype conversion makes one
+        tensor per parameter), stack them again. A conversion that keeps their storage (e.g.
+        ``.cuda()`` of parameters already on the GPU, as Megatron's ``get_model`` does) leaves
+        them alone, so a layout made by Megatron's DDP is never touched."""
+        experts = self._modules.get("experts")
+        before = self._expert_data_ptrs(experts)
+        result = super()._apply(fn, recurse)
+        if experts is not None and recurse and self._expert_data_ptrs(experts) != before:
+            stack_expert_storage(experts, self.num_local_experts)
+        return result
+
+    def _expert_data_ptrs(self, experts):
+        if experts is None:
+            return None
+        try:
+            fc1, fc2 = local_expert_weights(experts, self.num_local_experts)
+            return [w.data_ptr() for w in fc1 + fc2]
+        except (TypeError, RuntimeError):
+            return None
+
+    def _expert_weights(self) -> Tuple[torch.Tensor, torch.Tensor, int, bool]:
         """fc1 [L', 2I, H] and fc2 [L', H, I] of this rank's experts (the fused shared experts
-        last), and the number of fused shared experts."""
+        last), the number of fused shared experts, and whether the local experts are stacked in
+        reverse order (expert L - 1 first; the caller renumbers the top-k ids to match).
+
+        Routed experts are views of the parameters' storage, without a copy, when the
+        parameters lie stacked in it: in order (as built by this layer, kept by Megatron's DDP
+        without the distributed optimizer), or in reverse order (Megatron's distributed
+        optimizer puts ``TEGroupedMLP``'s weights into its parameter buffer that way) provided
+        every EP rank's layout allows it. Any other layout, and the fused shared expert (its
+        weights are slices of the shared expert's), costs one ``torch.stack`` copy.
+        """
         fc1, fc2 = local_expert_weights(self.experts, self.num_local_experts)
-        shared = 0
         if self.fused_shared:
             sh1, sh2 = shared_expert_weights(self.shared_experts, self.config.moe_ffn_hidden_size)
-            fc1, fc2, shared = fc1 + sh1, fc2 + sh2, len(sh1)
-        return stacked(fc1), stacked(fc2), shared
+            return torch.stack(fc1 + sh1), torch.stack(fc2 + sh2), len(sh1), False
+        layout1, layout2 = expert_layout(fc1), expert_layout(fc2)
+        reverse = self._reversed_expert_order(layout1, layout2, fc1[0].device)
+        return stack_experts(fc1, layout1, reverse), stack_experts(fc2, layout2, reverse), 0, reverse
+
+    def _reversed_expert_order(self, layout1, layout2, device) -> bool:
+        """Whether to stack the local experts in reverse order.
+
+        This rank prefers it when its fc1 weights (or, if those are not stacked, its fc2
+        weights) lie in reverse order. The expert order changes the top-k ids that every rank
+        sends, so it must be the same on all EP ranks: whenever this rank's preference changes
+        (first forward; after Megatron's DDP has moved the parameters into its buffer) the EP
+        group agrees with one all-reduce (reverse only if every rank prefers it). That is one
+        tiny collective and host sync per layer per layout change, none in a steady state. All
+        EP ranks of a layer see the same layout changes at the same forward (they build the
+        same module and DDP lays out the same parameter list the same way); a rank whose
+        parameters were moved on its own would wait in that all-reduce.
+        """
+        prefers = layout1 == REVERSED or (layout1 is None and layout2 == REVERSED)
+        if prefers is not self._mok_prefers_reversed:
+            agreed = prefers
+            if self.ep_size > 1:
+                flag = torch.tensor([int(prefers)], dtype=torch.int32, device=device)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.ep_group)
+                agreed = bool(flag.item())
+            self._mok_prefers_reversed, self._mok_reversed = prefers, agreed
+        return self._mok_reversed
 
     def _shared_slots(self, tokens: torch.Tensor, shared: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Top-k columns of the fused shared experts: ids [T, n] of this rank's shared experts
@@ -162,7 +236,9 @@ class MoKMoELayer(MoELayer):
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
         topk_ids, topk_weights = routing_to_topk(probs, routing_map, self.config.moe_router_topk)
-        fc1, fc2, shared = self._expert_weights()
+        fc1, fc2, shared, reverse = self._expert_weights()
+        if reverse:
+            topk_ids = reverse_local_expert_ids(topk_ids, self.num_local_experts)
         if shared:
             shared_ids, shared_weights = self._shared_slots(tokens, shared)
             topk_ids = torch.cat([remap_for_fused_shared(topk_ids, self.num_local_experts, shared), shared_ids], 1)

@@ -14,7 +14,7 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["routing_to_topk", "remap_for_fused_shared"]
+__all__ = ["routing_to_topk", "remap_for_fused_shared", "reverse_local_expert_ids"]
 
 
 def routing_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -64,3 +64,22 @@ def remap_for_fused_shared(topk_ids: torch.Tensor, experts_per_rank: int, shared
     width = experts_per_rank + shared_per_rank
     remapped = topk_ids // experts_per_rank * width + topk_ids % experts_per_rank
     return torch.where(topk_ids >= 0, remapped, topk_ids)
+
+
+def reverse_local_expert_ids(topk_ids: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
+    """Global expert ids with each rank's local experts numbered in reverse.
+
+    Expert e = r * L + l becomes r * L + (L - 1 - l); -1 stays -1. Used when every EP rank
+    hands ``mok_moe`` its expert weights stacked in reverse order (expert L - 1 first). The
+    slots keep their order, so the fixed-order sum over a token's slots, and each expert's
+    set of rows, are those of the unreversed call: the result is the same.
+
+    Args:
+        topk_ids: [T, K] int64 ids in [0, E) or -1.
+        experts_per_rank: L.
+
+    Returns:
+        [T, K] int64 ids.
+    """
+    reversed_ids = topk_ids + (experts_per_rank - 1) - 2 * (topk_ids % experts_per_rank)
+    return torch.where(topk_ids >= 0, reversed_ids, topk_ids)

@@ -1,0 +1,411 @@
+"""Expert weights reach ``mok_moe`` without a copy when they lie stacked in memory.
+
+The MoK layer moves each expert module's per-expert parameters into one [L, 2I, H] and one
+[L, H, I] buffer when it is built (``experts.stack_expert_storage``); every forward checks the
+layout from pointers and strides (``expert_layout``) and passes a view of that storage
+(``stack_experts``), falling back to ``torch.stack`` for any other layout. These tests check
+that the view shares storage with the parameters, that gradients equal those of the
+``torch.stack`` path (SequentialMLP through the whole layer, a grouped ``weight{i}`` layout
+through ``mok_moe``), the fallbacks, the reverse order Megatron's distributed optimizer
+produces, and that parameters keep their names, values and attributes.
+"""
+
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+from megatron_mok.functional import mok_moe
+from megatron_mok.megatron.experts import (
+    FORWARD,
+    REVERSED,
+    expert_layout,
+    local_expert_weights,
+    stack_expert_storage,
+    stack_experts,
+    stack_parameter_storage,
+    stacked,
+)
+from megatron_mok.megatron.routing import reverse_local_expert_ids
+from tests.megatron_utils import batch, build_gpt, loss_and_grads, megatron_ranks, moe_layers, tiny_config
+
+L, I, H, T, K = 4, 8, 16, 12, 2
+
+
+def _params(n=L, shape=(2 * I, H), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=torch.float64)) for _ in range(n)]
+
+
+def _storage_ptr(t):
+    return t.untyped_storage().data_ptr()
+
+
+# ----------------------------------------------------------------------------------------------
+# Unit level: layout detection, the view, its gradients, the fallbacks.
+
+
+def test_stacking_keeps_parameter_objects_values_and_attributes():
+    params = _params()
+    params[1].requires_grad_(False)
+    for i, p in enumerate(params):
+        p.allreduce, p.sequence_parallel, p.tensor_model_parallel, p.partition_dim = False, False, True, 0
+        p._megatron_private = ("expert", i)
+    values = [p.detach().clone() for p in params]
+    ids = [id(p) for p in params]
+    attrs = [dict(vars(p)) for p in params]
+    assert expert_layout(params) is None  # separate allocations
+    assert stack_parameter_storage(params)
+    assert expert_layout(params) == FORWARD
+    assert [id(p) for p in params] == ids
+    assert [dict(vars(p)) for p in params] == attrs
+    assert [p.requires_grad for p in params] == [True, False, True, True]
+    assert all(type(p) is torch.nn.Parameter and p.is_leaf and p._base is None for p in params)
+    assert all(torch.equal(p, v) for p, v in zip(params, values))
+    assert len({_storage_ptr(p) for p in params}) == 1
+    assert not stack_parameter_storage(params)  # already stacked: nothing to do
+
+
+def test_view_shares_storage_and_gradients_equal_torch_stack():
+    params = _params()
+    stack_parameter_storage(params)
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    view = stacked(params)
+    want = torch.stack(copies)
+    assert view.data_ptr() == params[0].data_ptr() and _storage_ptr(view) == _storage_ptr(params[0])
+    assert view.shape == (L, 2 * I, H) and view.is_contiguous()
+    assert torch.equal(view, want)
+    grad = torch.randn_like(want)
+    view.backward(grad)
+    want.backward(grad)
+    for p, c in zip(params, copies):
+        assert torch.equal(p.grad, c.grad)
+    # Each gradient is a slice of the stacked gradient (no copy), as with torch.stack.
+    assert all(_storage_ptr(p.grad) == _storage_ptr(params[0].grad) for p in params)
+    with pytest.raises(RuntimeError):
+        stacked(params).mul_(2)  # the view aliases the parameters: no in-place writes through it
+
+
+def test_weight_modified_in_place_between_forward_and_backward_raises():
+    params = _params()
+    stack_parameter_storage(params)
+    out = (stacked(params) * 2).sum()
+    with torch.no_grad():
+        params[3].add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_reversed_layout_gives_reversed_view():
+    params = _params()
+    buffer = torch.stack([p.detach() for p in params[::-1]])
+    for i, p in enumerate(params):
+        p.data = buffer[L - 1 - i]
+    assert expert_layout(params) == REVERSED
+    view = stack_experts(params, REVERSED, reverse=True)
+    assert view.data_ptr() == buffer.data_ptr() and torch.equal(view, buffer)
+    assert torch.equal(stack_experts(params, REVERSED), torch.stack(params))  # forward order: a copy
+    assert stack_experts(params, REVERSED).data_ptr() != buffer.data_ptr()
+    grad = torch.randn_like(buffer)
+    view.backward(grad)
+    for i, p in enumerate(params):
+        assert torch.equal(p.grad, grad[L - 1 - i])
+
+
+def _strided_slices(n, stride_rows):
+    """n [2I, H] tensors at equal spacing ``stride_rows`` rows apart in one buffer."""
+    buffer = torch.randn(n * stride_rows, H, dtype=torch.float64)
+    return [buffer[i * stride_rows:i * stride_rows + 2 * I] for i in range(n)]
+
+
+@pytest.mark.parametrize("case", ["separate", "gaps", "permuted", "transposed", "shapes", "dtypes",
+                                  "adjacent_storages", "meta"])
+def test_fallback_to_torch_stack_when_not_stacked(case):
+    if case == "separate":
+        weights = [p.detach() for p in _params()]
+    elif case == "gaps":  # equally spaced, other data between them (as Megatron's DDP interleaves fc1/fc2)
+        weights = _strided_slices(L, 3 * I)
+    elif case == "permuted":
+        weights = list(torch.randn(L, 2 * I, H, dtype=torch.float64).unbind(0))
+        weights[1], weights[2] = weights[2], weights[1]
+    elif case == "transposed":
+        weights = list(torch.randn(L, H, 2 * I, dtype=torch.float64).transpose(1, 2).unbind(0))
+    elif case == "shapes":
+        buffer = torch.randn(L * 2 * I * H, dtype=torch.float64)
+        weights = [buffer[i * 2 * I * H:(i + 1) * 2 * I * H].view(2 * I, H) for i in range(L - 1)]
+        weights.append(buffer[(L - 1) * 2 * I * H:].view(4 * I, H // 2))
+    elif case == "dtypes":
+        weights = list(torch.randn(L, 2 * I, H, dtype=torch.float64).unbind(0))
+        weights[-1] = weights[-1].view(torch.int64)
+    elif case == "adjacent_storages":  # right spacing, but L separate storages: no view may span them
+        nbytes = 2 * I * H * 8
+        raw = bytearray(torch.randn(L * 2 * I * H, dtype=torch.float64).numpy().tobytes())
+        weights = [torch.frombuffer(raw, dtype=torch.float64, count=2 * I * H, offset=i * nbytes).view(2 * I, H)
+                   for i in range(L)]
+        assert [w.data_ptr() - weights[0].data_ptr() for w in weights] == [i * nbytes for i in range(L)]
+    else:
+        weights = list(torch.empty(L, 2 * I, H, device="meta").unbind(0))
+    assert expert_layout(weights) is None
+    if case in ("shapes", "dtypes", "meta"):
+        return
+    out = stacked(weights)
+    assert torch.equal(out, torch.stack(weights))
+    assert not any(_storage_ptr(out) == _storage_ptr(w) for w in weights)
+
+
+def test_a_single_expert_and_unbind_are_stacked():
+    weights = list(torch.randn(L, 2 * I, H).unbind(0))
+    assert expert_layout(weights) == FORWARD and expert_layout(weights[:1]) == FORWARD
+    assert stacked(weights[2:3]).data_ptr() == weights[2].data_ptr()
+
+
+# ----------------------------------------------------------------------------------------------
+# Through mok_moe: a grouped (TEGroupedMLP-style ``linear_fc{1,2}.weight{i}``) expert module.
+
+
+def _grouped_module(seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    fc1 = SimpleNamespace(**{f"weight{i}": torch.nn.Parameter(0.2 * torch.randn(2 * I, H, generator=gen,
+                                                                                dtype=torch.float64))
+                             for i in range(L)})
+    fc2 = SimpleNamespace(**{f"weight{i}": torch.nn.Parameter(0.2 * torch.randn(H, I, generator=gen,
+                                                                                dtype=torch.float64))
+                             for i in range(L)})
+    return SimpleNamespace(linear_fc1=fc1, linear_fc2=fc2)
+
+
+def _routing(seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(L, generator=gen)[:K] for _ in range(T)]).sort(1).values
+    ids[0, 1] = -1
+    weights = torch.rand(T, K, generator=gen, dtype=torch.float64)
+    return x, ids, weights
+
+
+def _moe_grads(module, reverse=False):
+    """Output and gradients (x, router weights, every expert weight) of mok_moe on the module's
+    weights, stacked by stack_experts (a view when the layout allows)."""
+    x, ids, weights = _routing()
+    x.requires_grad_(True)
+    weights.requires_grad_(True)
+    fc1, fc2 = local_expert_weights(module, L)
+    for w in fc1 + fc2:
+        w.grad = None
+    w1 = stack_experts(fc1, expert_layout(fc1), reverse)
+    w2 = stack_experts(fc2, expert_layout(fc2), reverse)
+    y = mok_moe(x, reverse_local_expert_ids(ids, L) if reverse else ids, weights, w1, w2, backend="reference")
+    y.backward(torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y))
+    grads = [x.grad, weights.grad] + [w.grad for w in fc1 + fc2]
+    return y.detach(), grads, (w1, w2)
+
+
+def test_grouped_layout_view_matches_torch_stack_through_mok_moe():
+    scattered = _grouped_module()
+    want_y, want_grads, (w1, w2) = _moe_grads(scattered)
+    fc1, fc2 = local_expert_weights(scattered, L)
+    assert expert_layout(fc1) is None and not any(_storage_ptr(w1) == _storage_ptr(w) for w in fc1)
+
+    module = _grouped_module()
+    assert stack_expert_storage(module, L)
+    fc1, fc2 = local_expert_weights(module, L)
+    assert expert_layout(fc1) == FORWARD and expert_layout(fc2) == FORWARD
+    y, grads, (w1, w2) = _moe_grads(module)
+    assert w1.data_ptr() == fc1[0].data_ptr() and w2.data_ptr() == fc2[0].data_ptr()
+    assert torch.equal(y, want_y)
+    for got, want in zip(grads, want_grads):
+        assert torch.equal(got, want)
+
+    # Reverse order (Megatron's distributed optimizer): stacked backwards, ids renumbered.
+    for ws in (fc1, fc2):
+        buffer = torch.stack([w.detach() for w in ws[::-1]])
+        for i, w in enumerate(ws):
+            w.data = buffer[L - 1 - i]
+    assert expert_layout(fc1) == REVERSED and expert_layout(fc2) == REVERSED
+    y, grads, (w1, w2) = _moe_grads(module, reverse=True)
+    assert w1.data_ptr() == fc1[-1].data_ptr() and w2.data_ptr() == fc2[-1].data_ptr()
+    assert torch.equal(y, want_y)
+    for got, want in zip(grads, want_grads):
+        assert torch.equal(got, want)
+
+
+def test_reverse_local_expert_ids():
+    ids = torch.tensor([[0, 3, -1], [4, 6, 7]])
+    assert reverse_local_expert_ids(ids, 4).tolist() == [[3, 0, -1], [7, 5, 4]]
+    assert torch.equal(reverse_local_expert_ids(reverse_local_expert_ids(ids, 4), 4), ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# The MoK layer (SequentialMLP, local spec) on gloo ranks.
+
+
+def _settings():
+    from megatron_mok.megatron import MoKLayerSettings
+
+    return MoKLayerSettings(backend="reference")
+
+
+def _expert_lists(layer):
+    return local_expert_weights(layer.experts, layer.num_local_experts)
+
+
+def _scatter(layer):
+    """Give every expert parameter its own storage (the layout before this change)."""
+    for w in sum(_expert_lists(layer), []):
+        w.data = w.data.clone()
+
+
+def _reverse(layer):
+    """Lay the expert parameters out in reverse order, as Megatron's distributed optimizer does
+    for TEGroupedMLP."""
+    for ws in _expert_lists(layer):
+        buffer = torch.stack([w.detach() for w in ws[::-1]])
+        for i, w in enumerate(ws):
+            w.data = buffer[len(ws) - 1 - i]
+
+
+def _recording_mok_moe(calls):
+    import megatron_mok.megatron.layer as layer_module
+
+    real = layer_module.mok_moe
+
+    def wrapper(x, topk_ids, topk_weights, fc1, fc2, **kwargs):
+        calls.append((fc1, fc2, topk_ids))
+        return real(x, topk_ids, topk_weights, fc1, fc2, **kwargs)
+
+    return mock.patch.object(layer_module, "mok_moe", wrapper)
+
+
+def _layer_zero_copy(rank, world, variant):
+    import megatron_mok
+
+    megatron_mok.register()
+    config = tiny_config("mok", world, mok_settings=_settings())
+    stock = build_gpt(tiny_config("alltoall", world), seed=5)
+    model = build_gpt(config, seed=5)
+    assert model.state_dict().keys() == stock.state_dict().keys()
+    for (name, p), (stock_name, q) in zip(model.named_parameters(), stock.named_parameters()):
+        assert name == stock_name and p.shape == q.shape and p.dtype == q.dtype
+        assert p.requires_grad == q.requires_grad and sorted(vars(p)) == sorted(vars(q)), name
+        assert all(getattr(p, a) == getattr(q, a) for a in vars(q) if not torch.is_tensor(getattr(q, a))), name
+        if ".experts." in name:  # the same initial values as Megatron's layer (same seed)
+            assert torch.equal(p, q), name
+    layers = [m for _, m in moe_layers(model)]
+    for layer in layers:
+        assert [expert_layout(ws) for ws in _expert_lists(layer)] == [FORWARD, FORWARD]
+
+    reference = build_gpt(config, seed=6)
+    reference.load_state_dict(model.state_dict(), strict=True)
+    for _, layer in moe_layers(reference):
+        _scatter(layer)
+        assert [expert_layout(ws) for ws in _expert_lists(layer)] == [None, None]
+    want_loss, want_grads = loss_and_grads(reference, rank)
+
+    if variant == "reversed" or (variant == "reversed_on_rank0" and rank == 0):
+        for layer in layers:
+            _reverse(layer)
+    calls = []
+    with _recording_mok_moe(calls):
+        got_loss, got_grads = loss_and_grads(model, rank)
+    assert len(calls) == len(layers)
+    agreed_reversed = variant == "reversed"
+    for layer, (fc1, fc2, _) in zip(layers, calls):
+        w1, w2 = _expert_lists(layer)
+        assert layer._mok_reversed == agreed_reversed
+        if variant == "reversed_on_rank0" and rank == 0:  # the other rank is in order: a copy here
+            assert not any(_storage_ptr(fc1) == _storage_ptr(w) for w in w1)
+            assert torch.equal(fc1, torch.stack(w1)) and torch.equal(fc2, torch.stack(w2))
+        else:
+            first = -1 if agreed_reversed else 0
+            assert fc1.data_ptr() == w1[first].data_ptr() and fc2.data_ptr() == w2[first].data_ptr()
+            assert _storage_ptr(fc1) == _storage_ptr(w1[0]) and _storage_ptr(fc2) == _storage_ptr(w2[0])
+    assert torch.equal(got_loss, want_loss)
+    assert got_grads.keys() == want_grads.keys()
+    for name, want in want_grads.items():
+        assert torch.equal(got_grads[name], want), name
+
+    # A strict state_dict round trip keeps the stacked storage (values are copied in place).
+    ptrs = [w.data_ptr() for layer in layers for w in sum(_expert_lists(layer), [])]
+    model.load_state_dict(stock.state_dict(), strict=True)
+    assert ptrs == [w.data_ptr() for layer in layers for w in sum(_expert_lists(layer), [])]
+    stock.load_state_dict(model.state_dict(), strict=True)
+
+
+@pytest.mark.parametrize("world,variant", [(1, "forward"), (2, "forward"), (1, "reversed"), (2, "reversed"),
+                                           (2, "reversed_on_rank0")])
+def test_layer_passes_views_of_the_parameters_and_gradients_match(world, variant):
+    megatron_ranks(_layer_zero_copy, world, variant)
+
+
+def _conversions(rank, world):
+    import megatron_mok
+
+    megatron_mok.register()
+    model = build_gpt(tiny_config("mok", world, mok_settings=_settings()), seed=8)
+    layer = moe_layers(model)[0][1]
+    ptrs = [w.data_ptr() for w in sum(_expert_lists(layer), [])]
+    model.float()  # no-op conversion: storage (and whatever layout DDP made) untouched
+    assert ptrs == [w.data_ptr() for w in sum(_expert_lists(layer), [])]
+    model.double()  # new tensor per parameter: stacked again
+    assert [w.dtype for w in sum(_expert_lists(layer), [])] == [torch.float64] * 8
+    assert [expert_layout(ws) for ws in _expert_lists(layer)] == [FORWARD, FORWARD]
+
+
+def test_dtype_conversion_restacks_the_expert_parameters():
+    megatron_ranks(_conversions, 1)
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        for i in range(L):
+            p = torch.nn.Parameter(torch.randn(shape))
+            p.allreduce = False
+            self.register_parameter(f"weight{i}", p)
+
+
+class _Grouped(torch.nn.Module):
+    """The parameters of a TEGroupedMLP (``linear_fc{1,2}.weight{i}``, expert-parallel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear_fc1 = _Holder((2 * I, H))
+        self.linear_fc2 = _Holder((H, I))
+
+
+def _ddp_layouts(rank, world):
+    """What Megatron's DDP does with the stacked layout (documented in docs/megatron.md)."""
+    import megatron_mok
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    megatron_mok.register()
+    for distributed_optimizer in (False, True):
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
+                                                   overlap_grad_reduce=True)
+        # Grouped weights: kept in order without the distributed optimizer, reversed by its
+        # parameter buffer (parameters are laid out in reverse registration order).
+        config = tiny_config("alltoall", world)
+        grouped = _Grouped()
+        assert stack_expert_storage(grouped, L)
+        DistributedDataParallel(config, ddp_config, grouped)
+        want = REVERSED if distributed_optimizer else FORWARD
+        assert [expert_layout(ws) for ws in local_expert_weights(grouped, L)] == [want, want]
+
+        # SequentialMLP: the distributed optimizer interleaves each expert's fc1 and fc2
+        # (reverse order), so the MoK layer stacks with a copy; results stay Megatron's.
+        config = tiny_config("mok", world, mok_settings=_settings())
+        model = build_gpt(config, seed=9)
+        ddp = DistributedDataParallel(config, ddp_config, model)
+        for _, layer in moe_layers(model):
+            want = None if distributed_optimizer else FORWARD
+            assert [expert_layout(ws) for ws in _expert_lists(layer)] == [want, want]
+        ddp.zero_grad_buffer()
+        tokens, position_ids, mask, labels = batch(rank)
+        ddp(tokens, position_ids, mask, labels=labels).sum().backward()
+        ddp.finish_grad_sync()
+        assert all(p.main_grad.abs().sum() > 0 for n, p in model.named_parameters() if ".experts." in n)
+
+
+def test_megatron_ddp_layouts():
+    megatron_ranks(_ddp_layouts, 2)
