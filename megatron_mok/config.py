@@ -20,7 +20,7 @@ MAX_TILE_ROWS = 256
 # GEMM tile used by the heuristic: 128 rows x 256 output columns per compute SM and tile.
 HEURISTIC_TILE_COLS = 256
 # A copy kernel saturates NVLink 4 with about 8 SMs on H200 (shared/device-facts.md).
-NVLINK_SATURATING_SMS = 8
+COMM_SMS_DEFAULT = 16
 H200_NUM_SMS = 132
 
 
@@ -38,8 +38,8 @@ class MoKConfig:
     """
 
     comm_sms_forward: Optional[int] = None
-    """SMs of the persistent forward kernel that only move data (pull dispatch, push combine).
-    At least 1 and fewer than the device's SM count."""
+    """SMs of the persistent forward kernel that only move data: half pull dispatch rows, half
+    push combine rows. At least 2 and fewer than the device's SM count."""
 
     comm_sms_backward: Optional[int] = None
     """Same as ``comm_sms_forward``, for the backward kernels."""
@@ -71,8 +71,8 @@ class MoKConfig:
     (E must be divisible by the EP size and E / P must equal ``fc1_weight.shape[0]``)."""
 
     def __post_init__(self) -> None:
-        _check_optional_int(self, "comm_sms_forward", minimum=1)
-        _check_optional_int(self, "comm_sms_backward", minimum=1)
+        _check_optional_int(self, "comm_sms_forward", minimum=2)
+        _check_optional_int(self, "comm_sms_backward", minimum=2)
         _check_optional_int(self, "minibatch_rows", minimum=1)
         _check_optional_int(self, "ring_rows", minimum=1)
         _check_optional_int(self, "max_tokens_per_rank", minimum=1)
@@ -109,7 +109,7 @@ class MoKConfig:
             if value is not None and value >= num_sms:
                 raise MoKConfigError(
                     f"MoKConfig.{name}={value} leaves no compute SM on a device with "
-                    f"{num_sms} SMs; it must be between 1 and {num_sms - 1}"
+                    f"{num_sms} SMs; it must be between 2 and {num_sms - 1}"
                 )
 
     def check_experts(self, ep_size: int, experts_per_rank: int) -> None:
@@ -141,8 +141,10 @@ class MoKConfig:
 
         Heuristic (documented in docs/architecture.md):
 
-        * comm SMs: enough to saturate the peer links (8 on H200), at most a quarter of the
-          SMs; one when there is no peer (P = 1: only local rows move).
+        * comm SMs: 16 (8 pulling, 8 pushing), at most a quarter of the SMs. Measured on two
+          H200s (docs/perf-notes.md): a comm SM moves ~25 GB/s of rows (its copy rate is bound
+          by its loads in flight), and 8 + 8 keep the pulls ahead of the GEMMs at every shape
+          tried; the same rows move at P = 1 (local copies), so the default does not depend on P.
         * minibatch: the smallest multiple of ``tile_rows`` whose fc1 (N = 2 * ffn_hidden) and
           fc2 (N = hidden) tile grids, in tiles of ``tile_rows`` x 256, each give every compute
           SM at least two waves.
@@ -155,7 +157,7 @@ class MoKConfig:
             ep_size: P, ranks of the expert-parallel group.
         """
         self.check_device(num_sms)
-        default_comm = 1 if ep_size == 1 else min(NVLINK_SATURATING_SMS, max(1, num_sms // 4))
+        default_comm = max(2, min(COMM_SMS_DEFAULT, num_sms // 4))
         comm_fwd = self.comm_sms_forward if self.comm_sms_forward is not None else default_comm
         comm_bwd = self.comm_sms_backward if self.comm_sms_backward is not None else default_comm
         minibatch = self.minibatch_rows

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Validates the experimental forward megakernel on H200s in one go (one device call): builds
-# the library, runs tests/test_megakernel.py (its GPU tests; the gpu2 test when two GPUs are
+# the library (or uses $MOK_LIBRARY when that file exists), runs tests/test_megakernel.py (its GPU tests; the gpu2 test when two GPUs are
 # there), then times the forward at the Kimi-K2 shapes of DESIGN.md section 6 next to the cuda
 # backend: P = 1 with 192 and 6 experts per GPU, a few comm-SM settings; with two GPUs also
 # the layer benchmark under torchrun (megakernel and cuda backends, forward and backward).
@@ -22,9 +22,13 @@ export MOK_EXPERIMENTAL_MEGAKERNEL=1
 failed=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 
-step "build"
-"$py" -m megatron_mok._build --out "$out/lib" || { echo "build failed"; exit 1; }
-export MOK_LIBRARY="$out/lib/libmegatron_mok.so"
+if [ -n "${MOK_LIBRARY:-}" ] && [ -f "$MOK_LIBRARY" ]; then
+  step "library: $MOK_LIBRARY (prebuilt)"
+else
+  step "build"
+  "$py" -m megatron_mok._build --out "$out/lib" || { echo "build failed"; exit 1; }
+  export MOK_LIBRARY="$out/lib/libmegatron_mok.so"
+fi
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 echo "GPUs: $gpus"

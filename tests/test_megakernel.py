@@ -105,9 +105,9 @@ def test_selection_gates_on_the_variable_and_auto_falls_back_with_one_log_line(m
 
 def test_tunables_resolve_within_the_rules():
     cfg = mkb.resolve_tunables(MoKConfig(), KIMI, 2, 132)
-    assert cfg.comm_sms_forward == 8 and cfg.minibatch_rows % 128 == 0 and cfg.ring_rows == 4 * cfg.minibatch_rows
+    assert cfg.comm_sms_forward == 16 and cfg.minibatch_rows % 128 == 0 and cfg.ring_rows == 4 * cfg.minibatch_rows
     one = mkb.resolve_tunables(MoKConfig(), KIMI, 1, 132)
-    assert one.comm_sms_forward == 1
+    assert one.comm_sms_forward == 16  # the same rows move at P = 1 (local copies)
     # A virtual rank's share of the SMs (LocalEPGroup of 4 on 132 SMs).
     share = mkb.resolve_tunables(MoKConfig(), KIMI, 4, 33)
     assert share.comm_sms_forward == 8 and share.minibatch_rows >= 128
@@ -120,7 +120,8 @@ def test_tunables_resolve_within_the_rules():
     (dict(minibatch_rows=256, ring_rows=256), 132, r"ring_rows=256 must be a multiple of minibatch_rows=256 and at least two"),
     (dict(minibatch_rows=256, ring_rows=640), 132, r"ring_rows=640 must be a multiple of minibatch_rows=256"),
     (dict(minibatch_rows=200), 132, r"minibatch_rows=200 must be a multiple of tile_rows=128"),
-    (dict(), 1, r"needs at least 2 SMs"),
+    (dict(), 2, r"needs at least 3 SMs"),
+    (dict(comm_sms_forward=1), 132, r"comm_sms_forward=1 must be None \(chosen automatically\) or an integer >= 2"),
 ])
 def test_bad_tunables_are_clear_errors(kwargs, num_sms, message):
     with pytest.raises(MoKConfigError, match=message):
@@ -187,7 +188,7 @@ def _valid_args(**over):
 
 @pytest.mark.parametrize("over", [
     dict(H=1000), dict(I=192), dict(L=0), dict(L=2000), dict(rank=2), dict(P=0),
-    dict(minibatch_rows=200), dict(ring_rows=256), dict(ring_rows=640), dict(comm_ctas=0),
+    dict(minibatch_rows=200), dict(ring_rows=256), dict(ring_rows=640), dict(comm_ctas=1),
     dict(num_ctas=2), dict(timeout_ns=0), dict(table=0), dict(y=0), dict(rows_offset=8),
     dict(ring_x=0x10008),
 ])
@@ -198,7 +199,7 @@ def test_c_abi_rejects_bad_arguments_before_any_cuda_call(use_lib, over):
 
 
 def _queue(queue, n_blocks, mb, slots, n1, n2):
-    total = n_blocks * (n1 + n2) if queue == "compute" else 2 * n_blocks
+    total = n_blocks * (n1 + n2) if queue == "compute" else n_blocks
     items = [mk.plan_item(queue, i, n_blocks, mb, slots, n1, n2) for i in range(total)]
     with pytest.raises(mk.MegakernelArgumentError):
         mk.plan_item(queue, total, n_blocks, mb, slots, n1, n2)
@@ -219,17 +220,16 @@ def _segments(items, mb):
 def test_plan_covers_every_item_once_in_the_documented_order(use_lib, n_blocks, mb):
     n1, n2, slots = 3, 2, 2 * mb
     compute = _queue("compute", n_blocks, mb, slots, n1, n2)
-    comm = _queue("comm", n_blocks, mb, slots, n1, n2)
     assert sorted((k, b, c) for k, b, c, *_ in compute) == sorted(
         [("fc1", b, c) for b in range(n_blocks) for c in range(n1)]
         + [("fc2", b, c) for b in range(n_blocks) for c in range(n2)])
-    assert sorted((k, b) for k, b, *_ in comm) == sorted(
-        [("pull", b) for b in range(n_blocks)] + [("push", b) for b in range(n_blocks)])
     n = -(-n_blocks // mb)
     want_compute = [("fc1", 0)] + [s for m in range(1, n) for s in (("fc1", m), ("fc2", m - 1))] + [("fc2", n - 1)]
     assert _segments(compute, mb) == want_compute
-    want_comm = [("pull", 0)] + [s for m in range(1, n) for s in (("pull", m), ("push", m - 1))] + [("push", n - 1)]
-    assert _segments(comm, mb) == want_comm
+    # Pulls and pushes: every block once, in block order, each on its own queue.
+    for kind in ("pull", "push"):
+        items = _queue(kind, n_blocks, mb, slots, n1, n2)
+        assert [(k, b, c) for k, b, c, *_ in items] == [(kind, b, 0) for b in range(n_blocks)]
     # Within a minibatch: column block by column block over groups of up to 8 row blocks.
     fc1_mb0 = [(b, c) for k, b, c, *_ in compute if k == "fc1" and b < mb]
     groups = [list(range(g, min(g + 8, min(mb, n_blocks)))) for g in range(0, min(mb, n_blocks), 8)]
@@ -240,10 +240,12 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
     """Replay the kernel's protocol: workers take queue items in order, wait for the counter
     targets the plan gives, and bump the counters the kernel bumps. Returns None when every
     item ran, else a description of the deadlock. Asserts the dependencies and the slot
-    ownership the targets are meant to enforce."""
+    ownership the targets are meant to enforce. comm_workers >= 2 split as the kernel splits
+    its comm CTAs: (comm_workers + 1) // 2 pull, the rest push."""
     rng = random.Random(seed)
-    queues = {q: _queue(q, n_blocks, mb, slots, n1, n2) for q in ("compute", "comm")}
-    nxt = {"compute": 0, "comm": 0}
+    queues = {q: _queue(q, n_blocks, mb, slots, n1, n2) for q in ("compute", "pull", "push")}
+    nxt = {"compute": 0, "pull": 0, "push": 0}
+    comm_queue = ["pull" if w < (comm_workers + 1) // 2 else "push" for w in range(comm_workers)]
     counters = {}
     done = set()
     owner = {}  # slot -> block in flight
@@ -277,11 +279,12 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
     comm = [None] * comm_workers                        # item being waited on
     producers = [None] * compute_workers                # item the TMA thread waits on
     issued = [[] for _ in range(compute_workers)]       # tiles whose loads are issued, in order
-    total = len(queues["compute"]) + len(queues["comm"])
+    total = sum(len(q) for q in queues.values())
     while len(done) < total:
         actions = []
         for w in range(comm_workers):
-            if comm[w] is None and nxt["comm"] < len(queues["comm"]):
+            q = comm_queue[w]
+            if comm[w] is None and nxt[q] < len(queues[q]):
                 actions.append(("take_comm", w))
             elif comm[w] is not None and ready(comm[w]):
                 actions.append(("run_comm", w))
@@ -297,8 +300,9 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
                     f"{producers}, counters {counters}")
         act, w = rng.choice(actions)
         if act == "take_comm":
-            comm[w] = queues["comm"][nxt["comm"]]
-            nxt["comm"] += 1
+            q = comm_queue[w]
+            comm[w] = queues[q][nxt[q]]
+            nxt[q] += 1
         elif act == "run_comm":
             start(comm[w])
             finish(comm[w])
@@ -322,20 +326,20 @@ def test_protocol_never_deadlocks_and_respects_dependencies(use_lib, seed):
     ring_minibatches = rng.randint(2, 4)
     n_blocks = rng.randint(1, 40)
     args = dict(n_blocks=n_blocks, mb=mb, slots=mb * ring_minibatches, n1=rng.randint(1, 4), n2=rng.randint(1, 3),
-                comm_workers=rng.randint(1, 4), compute_workers=rng.randint(1, 5), lookahead=rng.randint(1, 3))
+                comm_workers=rng.randint(2, 5), compute_workers=rng.randint(1, 5), lookahead=rng.randint(1, 3))
     for replay in range(3):
         assert simulate(**args, seed=seed * 10 + replay) is None, args
 
 
 def test_one_hot_expert_through_a_two_slot_ring(use_lib):
     # 24 row blocks of one expert through a ring of 2 slots (minibatch of one block).
-    assert simulate(24, 1, 2, 16, 28, comm_workers=1, compute_workers=6, lookahead=2, seed=7) is None
+    assert simulate(24, 1, 2, 16, 28, comm_workers=2, compute_workers=6, lookahead=2, seed=7) is None
 
 
 def test_a_one_minibatch_ring_deadlocks_and_the_simulator_sees_it(use_lib):
-    # The config forbids it: the pull of minibatch 1 would wait for the push of minibatch 0,
-    # which the comm queue places after it.
-    result = simulate(8, 2, 2, 2, 2, comm_workers=1, compute_workers=3, lookahead=1, seed=0)
+    # The config forbids it: the pull of minibatch 1 waits for the push of minibatch 0, whose
+    # fc2 the compute queue places after fc1 of minibatch 1 (which waits for that pull).
+    result = simulate(8, 2, 2, 2, 2, comm_workers=2, compute_workers=3, lookahead=1, seed=0)
     assert result is not None and result.startswith("deadlock")
 
 
@@ -350,7 +354,7 @@ def _op_args(R=512, L=4, H=1024, I=512, T=6, K=2, P=2, words=None):
         fc2_weight=z(L, H, I), ring_x=z(R, H), ring_h=z(R, I), ring_w=z(R, dtype=torch.float32),
         counters=z(words if words is not None else 8 + 4 * (R // 128), dtype=torch.int32),
         epoch_counter=z(1, dtype=torch.int64), status=z(8, dtype=torch.int32), rank=0, minibatch_rows=256,
-        comm_ctas=2, num_ctas=0, timeout_ns=10 ** 9)
+        comm_ctas=2, num_ctas=0, timeout_ns=10 ** 9, trace=None)
 
 
 def test_fake_impl_gives_the_output_shape():
@@ -368,7 +372,7 @@ def test_fake_impl_gives_the_output_shape():
           ring_w=torch.zeros(640)), r"ring_rows = 640 must be a multiple of minibatch_rows = 256"),
     (dict(minibatch_rows=100), r"minibatch_rows = 100 must be a positive multiple of 128"),
     (dict(counters=torch.zeros(7, dtype=torch.int32)), r"counters must have 24 elements"),
-    (dict(comm_ctas=0), r"comm_ctas = 0 must be at least 1"),
+    (dict(comm_ctas=1), r"comm_ctas = 1 must be at least 2"),
     (dict(num_ctas=2), r"num_ctas = 2 must be 0 \(every SM\) or above comm_ctas = 2"),
     (dict(rank=2), r"rank = 2 is outside \[0, P = 2\)"),
     (dict(status=torch.zeros(4, dtype=torch.int32)), r"status must have 8 elements"),
@@ -538,11 +542,11 @@ def test_megakernel_one_hot_expert_through_a_small_ring(experimental):
     _check_against_oracle(case, _run(case, [None], SMALL_RING), "hot expert, P=1")
     case2 = _all_to_expert_zero(gpu_case(122, [2000, 2000], 1024, 512, 2, 2, "uniform"))
     group = LocalEPGroup(2)
-    config = MoKConfig(max_tokens_per_rank=2000, timeout_s=20.0, comm_sms_forward=1, minibatch_rows=128, ring_rows=256)
+    config = MoKConfig(max_tokens_per_rank=2000, timeout_s=20.0, comm_sms_forward=2, minibatch_rows=128, ring_rows=256)
     _check_against_oracle(case2, _run(case2, group.ranks, config, group.streams), "hot expert, 2 virtual ranks")
 
 
-SETTINGS = [(1, 128, 256), (2, 256, 1024), (4, 512, 1024), (3, 384, 1536), (None, None, None)]
+SETTINGS = [(2, 128, 256), (2, 256, 1024), (4, 512, 1024), (3, 384, 1536), (None, None, None)]
 
 
 @pytest.mark.gpu

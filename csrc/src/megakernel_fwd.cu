@@ -29,6 +29,7 @@
 #include "mok/megakernel/slot_sum.cuh"
 #include "mok/megakernel/sync.cuh"
 #include "mok/megakernel/tiles.cuh"
+#include "mok/megakernel/trace.cuh"
 
 using namespace mok::mega;
 namespace g = mok::gemm;
@@ -46,6 +47,7 @@ struct KernelParams {
   int32_t* counters;
   int32_t* status;
   int64_t timeout_ns;
+  Trace trace;
   int P, rank, L, T, E;
   int comm_ctas;
   int mb_blocks, slots, n1, n2;
@@ -68,23 +70,34 @@ __device__ __forceinline__ Deadline deadline_of(const KernelParams& p) {
   return Deadline{p.status, p.timeout_ns, p.rank};
 }
 
-// All threads of a comm CTA. Thread 0 takes the next item and waits for its input; the 12
-// warps copy the block's rows; thread 0 releases the block's counter.
-__device__ __forceinline__ void comm_cta(const KernelParams& p, const Plan& plan, CtaShared& sh) {
+// All threads of a comm CTA serving the pull or the push queue. Thread 0 takes the next item
+// and waits for its input; the 12 warps copy the block's rows; thread 0 releases the block's
+// counter.
+__device__ __forceinline__ void comm_cta(const KernelParams& p, const Plan& plan, CtaShared& sh, int queue) {
   const Deadline d = deadline_of(p);
-  const int total = comm_items(plan);
+  const int total = queue_items(plan, queue);
+  const int64_t trace_base = compute_items(plan) + (queue == kPushQueue ? plan.n_blocks : 0);
+  int32_t* next = &p.counters[queue == kPullQueue ? kPullNext : kPushNext];
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32, lane = threadIdx.x % 32;
+  int64_t record = -1;
   for (;;) {
     if (threadIdx.x == 0) {
       Item it;
       it.kind = kEnd;
-      const int i = atomicAdd(&p.counters[kCommNext], 1);
+      const int i = atomicAdd(next, 1);
       if (i < total) {
-        it = comm_item(plan, i);
+        record = trace_base + i;
+        p.trace.stamp(record, kTrTake);
+        it = queue_item(plan, queue, i);
         const Wait w = wait_of(plan, it);
         const int site = it.kind == kPull ? MOK_SITE_MK_PULL_WAITS_SLOT : MOK_SITE_MK_PUSH_WAITS_FC2;
         if (!wait_counter(p.counters + counter_index(w.counter, w.slot, plan.slots), w.target, d, site))
           it.kind = kEnd;
+        if (p.trace.on()) {
+          p.trace.stamp(record, kTrReady);
+          p.trace.stamp(record, kTrStart);
+          p.trace.item(record, it.kind, it.block, it.col);
+        }
       }
       sh.comm_item = it;
     }
@@ -99,9 +112,11 @@ __device__ __forceinline__ void comm_cta(const KernelParams& p, const Plan& plan
       push_block(p.rows, it.block, slot, warp, warps, lane);
     }
     __syncthreads();  // every row of the block written (pull) or read and sent (push)
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
       red_release_gpu_add(p.counters + counter_index(signal_counter(it.kind), slot, plan.slots),
                           signal_amount(it.kind));
+      p.trace.stamp(record, kTrDone);
+    }
   }
   // This CTA's pushes, to every rank, before the combine-done flags: a system-scope fence in
   // every thread that stored, then the CTA barrier, then the arrival (acq_rel, cumulative).
@@ -136,11 +151,18 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
   __syncthreads();
   const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2};
   const int wg = threadIdx.x / 128;
+  const int64_t cta_record = p.trace.on() ? compute_items(plan) + comm_items(plan) + blockIdx.x : -1;
+  if (p.trace.on() && threadIdx.x == 0) {
+    p.trace.stamp(cta_record, kTrTake);
+    p.trace.put(cta_record, kTrMeta, kTraceCtaKind | ((sh.ticket < p.comm_ctas ? 1 : 0) << 8));
+    p.trace.put(cta_record, kTrCta, blockIdx.x);
+  }
   if (sh.ticket < p.comm_ctas) {
-    comm_cta(p, plan, sh);
+    comm_cta(p, plan, sh, sh.ticket < pull_ctas(p.comm_ctas) ? kPullQueue : kPushQueue);
+    if (threadIdx.x == 0) p.trace.stamp(cta_record, kTrReady);
     if (wg == 0) return;
   } else {
-    const ComputeContext cx{p.counters, deadline_of(p), p.L};
+    const ComputeContext cx{p.counters, deadline_of(p), p.L, p.trace};
     // No setmaxnreg: the consumers' code fits the launch bound's 168 registers without spills
     // (ptxas -v), and at 40 registers the producer's queue and wait logic would spill.
     if (wg == 0) {
@@ -148,13 +170,15 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
       return;
     }
     consume_tiles(p.ops, plan, cx, ring1, ring2, sh.records, wg - 1);
+    if (threadIdx.x == 128) p.trace.stamp(cta_record, kTrReady);
   }
   const SumArgs sa{p.signal_bases,
                    reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(p.rows.bases[p.rank]) +
                                                   p.rows.slots_offset),
                    p.ids, p.y, p.counters, deadline_of(p), sh.epoch, p.P, p.rank, p.T, p.rows.K, p.E,
-                   p.rows.vecs};
+                   p.rows.vecs, p.trace, cta_record};
   combine_and_sum(sa, sh.sum, threadIdx.x - 128);
+  if (threadIdx.x == 128) p.trace.stamp(cta_record, kTrDone);
 }
 
 // Zeroes the counters (queues, arrivals, per-slot counters) and takes this call's epoch from
@@ -185,13 +209,14 @@ int check_args(const MokMegakernelArgs& a) {
   MOK_REQUIRE(a.minibatch_rows > 0 && a.minibatch_rows % kBlockRows == 0);
   MOK_REQUIRE(a.ring_rows % a.minibatch_rows == 0 && a.ring_rows >= 2 * a.minibatch_rows);
   MOK_REQUIRE(a.ring_rows <= (1 << 24));
-  MOK_REQUIRE(a.comm_ctas >= 1 && a.num_ctas >= 0 && a.timeout_ns > 0);
+  MOK_REQUIRE(a.comm_ctas >= 2 && a.num_ctas >= 0 && a.timeout_ns > 0);
   MOK_REQUIRE(a.num_ctas == 0 || a.num_ctas > a.comm_ctas);
   MOK_REQUIRE(a.rows_offset >= 0 && a.scalars_offset >= 0 && a.slots_offset >= 0);
   MOK_REQUIRE(a.rows_offset % 16 == 0 && a.slots_offset % 16 == 0 && a.scalars_offset % 4 == 0);
   MOK_REQUIRE(aligned16(a.ring_x) && aligned16(a.ring_h) && aligned16(a.fc1_weight) &&
               aligned16(a.fc2_weight) && (a.y == nullptr || aligned16(a.y)));
   MOK_REQUIRE((reinterpret_cast<uintptr_t>(a.counters) & 7u) == 0);
+  MOK_REQUIRE(a.trace == nullptr || a.trace_capacity > 0);
   return MOK_OK;
 }
 
@@ -206,11 +231,10 @@ MOK_API int64_t mok_megakernel_counter_words(int ring_slots) {
 MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_blocks, int slots,
                                      int n1, int n2, int32_t* out) {
   MOK_REQUIRE(out && n_blocks >= 0 && mb_blocks >= 1 && slots >= 1 && n1 >= 1 && n2 >= 1);
-  MOK_REQUIRE(queue == kComputeQueue || queue == kCommQueue);
+  MOK_REQUIRE(queue == kComputeQueue || queue == kPullQueue || queue == kPushQueue);
   const Plan plan{n_blocks, mb_blocks, slots, n1, n2};
-  const int total = queue == kComputeQueue ? compute_items(plan) : comm_items(plan);
-  MOK_REQUIRE(index >= 0 && index < total);
-  const Item it = queue == kComputeQueue ? compute_item(plan, index) : comm_item(plan, index);
+  MOK_REQUIRE(index >= 0 && index < queue_items(plan, queue));
+  const Item it = queue_item(plan, queue, index);
   const Wait w = wait_of(plan, it);
   out[0] = it.kind;
   out[1] = it.block;
@@ -252,6 +276,7 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.counters = a.counters;
   p.status = a.status;
   p.timeout_ns = a.timeout_ns;
+  p.trace = Trace{a.trace, a.trace ? a.trace_capacity : 0};
   p.P = (int)a.P;
   p.rank = (int)a.rank;
   p.L = (int)a.L;

@@ -42,6 +42,18 @@ from .workspace import Workspace, get_workspace
 
 EXPERIMENTAL_ENV = "MOK_EXPERIMENTAL_MEGAKERNEL"
 """Environment variable that must be "1" for the megakernel to be used at all."""
+TRACE_ENV = "MOK_MEGAKERNEL_TRACE"
+"""When "1", every forward launch records its timeline (read it with :func:`last_trace`)."""
+
+_last_trace: Dict[str, object] = {}
+
+
+def last_trace() -> Dict[str, object]:
+    """The timeline of this process's last traced forward launch (``MOK_MEGAKERNEL_TRACE=1``):
+    ``records`` int64 [N, 6] on the device (``mk_ops.TRACE_FIELDS``; unwritten records are 0)
+    and the launch's ``minibatch_rows``, ``ring_rows``, ``comm_ctas``, ``hidden``,
+    ``ffn_hidden``. Empty when nothing was traced."""
+    return dict(_last_trace)
 
 SITE_BWD_REPUBLISH, SITE_BWD_REPULLED = 5, 6  # named in workspace.SITE_NAMES
 
@@ -89,8 +101,9 @@ def resolve_tunables(config: MoKConfig, shape: MoEShape, ep_size: int, num_sms: 
     Raises:
         MoKConfigError: naming the tunable, its value and the rule.
     """
-    if num_sms < 2:
-        raise MoKConfigError(f"the megakernel needs at least 2 SMs (one comm, one compute), this launch has {num_sms}")
+    if num_sms < 3:
+        raise MoKConfigError(f"the megakernel needs at least 3 SMs (one pulling, one pushing, one computing), "
+                             f"this launch has {num_sms}")
     resolved = config.resolve(hidden=shape.hidden, ffn_hidden=shape.ffn_hidden, num_sms=num_sms, ep_size=ep_size)
     if resolved.minibatch_rows % BLOCK_ROWS:
         raise MoKConfigError(f"MoKConfig.minibatch_rows={resolved.minibatch_rows} must be a multiple of "
@@ -153,10 +166,17 @@ class _MegakernelMoE(torch.autograd.Function):
         ws.publish(x, topk_ids, topk_weights)
         ws.barrier(cuda_backend.SITE_FWD_DISPATCH, call.timeout_s)
         table, counts, offsets, _ = ws.build_schedule(BLOCK_ROWS)
+        trace = None
+        if os.environ.get(TRACE_ENV) == "1":
+            H, I = fc2.shape[1], fc2.shape[2]
+            trace = torch.zeros((mk_ops.trace_records(table.shape[0], H, I), len(mk_ops.TRACE_FIELDS)),
+                                dtype=torch.int64, device=x.device)
+            _last_trace.update(records=trace, minibatch_rows=cfg.minibatch_rows, ring_rows=cfg.ring_rows,
+                               comm_ctas=cfg.comm_sms_forward, hidden=H, ffn_hidden=I)
         y = mk_ops.megakernel_forward(
             ws.bases, ws.signal_bases, ws.layout.rows, ws.layout.scalars, ws.layout.slots, table, offsets, counts,
             topk_ids, fc1, fc2, ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, ws.rank,
-            cfg.minibatch_rows, cfg.comm_sms_forward, call.num_ctas, int(call.timeout_s * 1e9))
+            cfg.minibatch_rows, cfg.comm_sms_forward, call.num_ctas, int(call.timeout_s * 1e9), trace)
         ws.mirror_status()
         ctx.save_for_backward(x, topk_ids, topk_weights, fc1, fc2, table, offsets)
         ctx.call = call

@@ -14,7 +14,7 @@ tests.
 from __future__ import annotations
 
 import ctypes
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -32,6 +32,19 @@ MAX_EXPERTS = 1024
 
 ITEM_KINDS = {1: "fc1", 2: "fc2", 3: "pull", 4: "push"}
 COUNTERS = {0: "x_ready", 1: "h_ready", 2: "out_ready", 3: "slot_free"}
+TRACE_FIELDS = ("take", "ready", "start", "done", "meta", "cta")
+"""Columns of a trace record (mok/megakernel/trace.cuh): %globaltimer ns when the item was
+taken, its input acquired, its work started and its counter released; kind | block << 8 |
+col << 40 (kind 5: a CTA's own record, role << 8); the CTA."""
+MAX_CTAS = 1024
+"""Upper bound on the CTAs of one launch (for sizing a trace)."""
+
+
+def trace_records(table_rows: int, hidden: int, ffn_hidden: int) -> int:
+    """Trace records that hold every item of a launch whose schedule table has ``table_rows``
+    rows (the row capacity), plus one per CTA."""
+    blocks = table_rows // BLOCK_ROWS
+    return blocks * (ffn_hidden // FC1_COLS + hidden // FC2_COLS + 2) + MAX_CTAS
 
 _i, _i64, _v = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
@@ -53,6 +66,7 @@ class MegakernelArgs(ctypes.Structure):
         ("timeout_ns", _i64),
         ("P", _i64), ("rank", _i64), ("L", _i64), ("H", _i64), ("I", _i64), ("K", _i64), ("T", _i64),
         ("ring_rows", _i64), ("minibatch_rows", _i64), ("comm_ctas", _i64), ("num_ctas", _i64),
+        ("trace", _v), ("trace_capacity", _i64),
     ]
 
 
@@ -72,8 +86,11 @@ def counter_words(ring_rows: int) -> int:
     return int(fns["counter_words"](ring_rows // BLOCK_ROWS))
 
 
+QUEUES = {"compute": 0, "pull": 1, "push": 2}
+
+
 def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int, n1: int, n2: int) -> Tuple[str, int, int, str, int, int]:
-    """Item ``index`` of the ``queue`` ("compute" or "comm") of the kernel's work plan.
+    """Item ``index`` of the ``queue`` ("compute", "pull" or "push") of the kernel's work plan.
 
     Returns (kind, row block, column block, counter waited on, its slot, target value; a
     target <= 0 means no wait). Raises :class:`MegakernelArgumentError` for an index past the
@@ -81,7 +98,7 @@ def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int,
     """
     lib, fns = _lib()
     out = (ctypes.c_int32 * 6)()
-    code = fns["plan_item"]({"compute": 0, "comm": 1}[queue], index, n_blocks, mb_blocks, slots, n1, n2, out)
+    code = fns["plan_item"](QUEUES[queue], index, n_blocks, mb_blocks, slots, n1, n2, out)
     if code != 0:
         raise MegakernelArgumentError(f"plan_item({queue!r}, {index}) for n_blocks={n_blocks}, "
                                       f"mb_blocks={mb_blocks}, slots={slots}, n1={n1}, n2={n2}: "
@@ -152,12 +169,12 @@ def check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc
     if R % minibatch_rows or R < 2 * minibatch_rows:
         _fail(f"ring_rows = {R} must be a multiple of minibatch_rows = {minibatch_rows} and at least "
               f"two minibatches ({2 * minibatch_rows}): a pull waits for the push of the block "
-              "one ring earlier, which must come earlier in the comm queue")
+              "one ring earlier, whose fc2 the compute queue must reach before that pull's fc1")
     _tensor("counters", counters, torch.int32, numel=counter_words(R), device=dev)
     _tensor("epoch_counter", epoch_counter, torch.int64, numel=1, device=dev)
     _tensor("status", status, torch.int32, numel=8, device=dev)
-    if comm_ctas < 1:
-        _fail(f"comm_ctas = {comm_ctas} must be at least 1")
+    if comm_ctas < 2:
+        _fail(f"comm_ctas = {comm_ctas} must be at least 2 (pulls and pushes have CTAs of their own)")
     if num_ctas < 0 or (num_ctas and num_ctas <= comm_ctas):
         _fail(f"num_ctas = {num_ctas} must be 0 (every SM) or above comm_ctas = {comm_ctas}")
     if timeout_ns <= 0:
@@ -172,7 +189,8 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
                        topk_ids: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
                        ring_x: torch.Tensor, ring_h: torch.Tensor, ring_w: torch.Tensor, counters: torch.Tensor,
                        epoch_counter: torch.Tensor, status: torch.Tensor, rank: int, minibatch_rows: int,
-                       comm_ctas: int, num_ctas: int, timeout_ns: int) -> torch.Tensor:
+                       comm_ctas: int, num_ctas: int, timeout_ns: int,
+                       trace: Optional[torch.Tensor]) -> torch.Tensor:
     """One MoE layer forward in one persistent launch (after the schedule kernel).
 
     Args:
@@ -189,6 +207,8 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
         status: int32 [8], the workspace's status word (timeouts are recorded there).
         rank: this rank. minibatch_rows: rows per minibatch. comm_ctas: CTAs that move data.
         num_ctas: CTAs of the launch (0: one per SM). timeout_ns: deadline of every wait.
+        trace: None, or an int64 [N, 6] timeline (:data:`TRACE_FIELDS` per record; records past N
+            are not written); see :func:`trace_records` for the size that holds every record.
 
     Returns:
         y: bf16 [T, H], the weighted sum over the top-k slots (NaN if a status flag is set).
@@ -196,6 +216,10 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
     check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc1_weight, fc2_weight, ring_x,
                        ring_h, ring_w, counters, epoch_counter, status, rank=rank, minibatch_rows=minibatch_rows,
                        comm_ctas=comm_ctas, num_ctas=num_ctas, timeout_ns=timeout_ns)
+    if trace is not None:
+        _tensor("trace", trace, torch.int64, 2, device=fc1_weight.device)
+        if trace.shape[1] != len(TRACE_FIELDS):
+            _fail(f"trace must be [N, {len(TRACE_FIELDS)}], got {tuple(trace.shape)}")
     T, K = topk_ids.shape
     L, two_i, H = fc1_weight.shape
     y = torch.empty((T, H), dtype=torch.bfloat16, device=fc1_weight.device)
@@ -207,7 +231,8 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
         ring_h=ring_h.data_ptr(), ring_w=ring_w.data_ptr(), counters=counters.data_ptr(),
         y=y.data_ptr() if T else 0, epoch_counter=epoch_counter.data_ptr(), status=status.data_ptr(),
         timeout_ns=timeout_ns, P=bases.numel(), rank=rank, L=L, H=H, I=two_i // 2, K=K, T=T,
-        ring_rows=ring_x.shape[0], minibatch_rows=minibatch_rows, comm_ctas=comm_ctas, num_ctas=num_ctas)
+        ring_rows=ring_x.shape[0], minibatch_rows=minibatch_rows, comm_ctas=comm_ctas, num_ctas=num_ctas,
+        trace=trace.data_ptr() if trace is not None else 0, trace_capacity=trace.shape[0] if trace is not None else 0)
     lib, fns = _lib()
     lib.check(fns["forward"](ctypes.byref(args), stream_of(y)), "mok_megakernel_forward")
     return y
@@ -216,5 +241,5 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
 @megakernel_forward.register_fake
 def _(bases, signal_bases, rows_offset, scalars_offset, slots_offset, table, offsets, counts, topk_ids,
       fc1_weight, fc2_weight, ring_x, ring_h, ring_w, counters, epoch_counter, status, rank, minibatch_rows,
-      comm_ctas, num_ctas, timeout_ns):
+      comm_ctas, num_ctas, timeout_ns, trace):
     return fc1_weight.new_empty((topk_ids.shape[0], fc1_weight.shape[2]))

@@ -39,8 +39,12 @@ typedef struct MokMegakernelArgs {
   int64_t P, rank, L, H, I, K, T;
   int64_t ring_rows;             // a multiple of minibatch_rows, at least two minibatches
   int64_t minibatch_rows;        // a positive multiple of 128
-  int64_t comm_ctas;             // CTAs that move data (the rest compute), >= 1
+  int64_t comm_ctas;             // CTAs that move data, >= 2: (comm_ctas + 1) / 2 pull, the rest
+                                 // push; the other CTAs compute
   int64_t num_ctas;              // CTAs of the launch (0: every SM; capped by the occupancy)
+  int64_t* trace;                // optional timeline, int64 [trace_capacity, 6] (null: off;
+                                 // mok/megakernel/trace.cuh says what each record holds)
+  int64_t trace_capacity;        // records of `trace`
 } MokMegakernelArgs;
 
 MOK_API int64_t mok_megakernel_args_bytes(void);
@@ -48,7 +52,7 @@ MOK_API int64_t mok_megakernel_args_bytes(void);
 // int32 words of the counter buffer for a ring of `ring_slots` = ring_rows / 128 slots.
 MOK_API int64_t mok_megakernel_counter_words(int ring_slots);
 
-// The work plan, for tests: item `index` of queue `queue` (0 compute, 1 comm) for a layout of
+// The work plan, for tests: item `index` of queue `queue` (0 compute, 1 pull, 2 push) for a layout of
 // n_blocks row blocks, mb_blocks blocks per minibatch, `slots` ring slots, n1 = I / 128 fc1
 // and n2 = H / 256 fc2 column blocks. Writes out[0..5] = kind (1 fc1, 2 fc2, 3 pull,
 // 4 push), row block, column block, the counter it waits on (0 x_ready, 1 h_ready,

@@ -8,9 +8,12 @@
 // padded to 128 rows) is cut into row blocks of kBlockRows rows, each of one expert. Block b
 // lives in ring slot b % slots while it is in flight; it is the (b / slots + 1)-th
 // generation of that slot. A minibatch is mb_blocks consecutive blocks (the last one may be
-// shorter). The two queues, each handed out in order by an atomic counter:
+// shorter). Three queues, each handed out in order by an atomic counter:
 //   compute: fc1(mb 0), then for m = 1 .. n_mb-1: fc1(mb m), fc2(mb m-1); then fc2(last)
-//   comm:    pull(mb 0), then for m = 1 .. n_mb-1: pull(mb m), push(mb m-1); then push(last)
+//   pull:    pull(0), pull(1), ... (block order), served by the pull CTAs
+//   push:    push(0), push(1), ... (block order), served by the push CTAs
+// Pulls and pushes have CTAs of their own so that a pull never queues behind a push that waits
+// for compute: the pulls run ahead as far as the ring allows.
 // Within a minibatch, GEMM tiles run in groups of up to 8 row blocks, column block by column
 // block inside a group (the CTAs that run together share the weight tile in L2).
 #pragma once
@@ -33,7 +36,7 @@ constexpr int kGroupBlocks = 8;       // row blocks per column sweep inside a mi
 constexpr int kTileArrivals = 2;      // consumer warpgroups per GEMM tile; each bumps once
 
 enum ItemKind : int32_t { kEnd = 0, kFc1 = 1, kFc2 = 2, kPull = 3, kPush = 4 };
-enum Queue : int32_t { kComputeQueue = 0, kCommQueue = 1 };
+enum Queue : int32_t { kComputeQueue = 0, kPullQueue = 1, kPushQueue = 2 };
 // Per-slot counters, each an int32[slots] array; they only grow within a launch.
 enum SlotCounter : int32_t { kXReady = 0, kHReady = 1, kOutReady = 2, kSlotFree = 3, kNumSlotCounters = 4 };
 
@@ -41,10 +44,11 @@ enum SlotCounter : int32_t { kXReady = 0, kHReady = 1, kOutReady = 2, kSlotFree 
 enum HeaderWord : int32_t {
   kEpochLo = 0,       // uint64 epoch of this launch (words 0-1), written by the reset kernel
   kComputeNext = 2,   // compute queue position
-  kCommNext = 3,      // comm queue position
+  kPullNext = 3,      // pull queue position
   kCommDone = 4,      // comm CTAs that finished their queue
   kSumNext = 5,       // slot-sum queue position (tokens)
   kRoleTicket = 6,    // CTAs started: the first comm_ctas become comm CTAs
+  kPushNext = 7,      // push queue position
   kHeaderWords = 8,
 };
 
@@ -75,7 +79,13 @@ struct Wait {
 
 MOK_HD int num_minibatches(const Plan& p) { return (p.n_blocks + p.mb_blocks - 1) / p.mb_blocks; }
 MOK_HD int compute_items(const Plan& p) { return p.n_blocks * (p.n1 + p.n2); }
-MOK_HD int comm_items(const Plan& p) { return 2 * p.n_blocks; }
+MOK_HD int comm_items(const Plan& p) { return 2 * p.n_blocks; }  // pulls and pushes
+MOK_HD int queue_items(const Plan& p, int queue) {
+  return queue == kComputeQueue ? compute_items(p) : p.n_blocks;
+}
+
+// CTAs of the comm_ctas that pull (the rest push); both roles need at least one CTA.
+MOK_HD int pull_ctas(int comm_ctas) { return (comm_ctas + 1) / 2; }
 
 // Item `idx` of the tiles of minibatch m with `cols` column blocks (cols == 1: the blocks in
 // order).
@@ -122,8 +132,18 @@ MOK_HD Item interleaved_item(const Plan& p, int i, int32_t kind_a, int ca, int32
 // Item at position i of the compute queue (0 <= i < compute_items).
 MOK_HD Item compute_item(const Plan& p, int i) { return interleaved_item(p, i, kFc1, p.n1, kFc2, p.n2); }
 
-// Item at position i of the comm queue (0 <= i < comm_items).
-MOK_HD Item comm_item(const Plan& p, int i) { return interleaved_item(p, i, kPull, 1, kPush, 1); }
+// Item at position i of the pull or push queue (0 <= i < n_blocks): block i.
+MOK_HD Item comm_item(int kind, int i) {
+  Item it;
+  it.kind = kind;
+  it.block = i;
+  it.col = 0;
+  return it;
+}
+
+MOK_HD Item queue_item(const Plan& p, int queue, int i) {
+  return queue == kComputeQueue ? compute_item(p, i) : comm_item(queue == kPullQueue ? kPull : kPush, i);
+}
 
 // Generation of block b in its slot: 1 for the first S blocks, 2 for the next S, ...
 MOK_HD int generation(const Plan& p, int block) { return block / p.slots + 1; }

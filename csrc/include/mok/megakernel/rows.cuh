@@ -2,8 +2,9 @@
 // their router weights) from their source ranks into a ring slot, a push copies a block's
 // output rows from the ring into their home ranks' (token, slot) rows.
 //
-// One warp per row, 16-byte vectors, kUnroll loads in flight per lane (48 KB per CTA of 384
-// threads) to cover the NVLink latency. Loads bypass L1 (ld.global.cg): ring rows are
+// One warp per row, 16-byte vectors, kCopyUnroll loads in flight per lane (86 KB per CTA of
+// 384 threads) to cover the NVLink latency: measured, a comm CTA's copy rate is bound by its
+// bytes in flight (48 KB gave ~24 GB/s of rows per CTA). Loads bypass L1 (ld.global.cg): ring rows are
 // rewritten by other SMs within the launch, and a line cached in this SM's L1 from the slot's
 // previous generation must never be read.
 #pragma once
@@ -17,7 +18,7 @@
 namespace mok {
 namespace mega {
 
-constexpr int kCopyUnroll = 8;
+constexpr int kCopyUnroll = 14;  // H = 7168: 896 vectors = two rounds of 14 per lane
 
 __device__ __forceinline__ void copy_row_cg(const uint4* __restrict__ src, uint4* __restrict__ dst,
                                             int vecs, int lane) {
@@ -30,10 +31,6 @@ __device__ __forceinline__ void copy_row_cg(const uint4* __restrict__ src, uint4
     for (int u = 0; u < kCopyUnroll; ++u)
       if (v0 + 32 * u < vecs) dst[v0 + 32 * u] = r[u];
   }
-}
-
-__device__ __forceinline__ void zero_row(uint4* dst, int vecs, int lane) {
-  for (int v = lane; v < vecs; v += 32) dst[v] = make_uint4(0u, 0u, 0u, 0u);
 }
 
 // Where the rows of the symmetric workspace and of the ring are.
@@ -49,21 +46,18 @@ struct RowSpaces {
   int vecs;                 // H / 8
 };
 
-// Block b into its slot: rows and router weights, zeros for padding rows. Warps `warp` of
-// `warps` take rows warp, warp + warps, ...
+// Block b into its slot: rows and router weights. Padding rows are not written: a GEMM output
+// row depends only on its own input row, the SwiGLU epilogue stores zeros for padding rows and
+// nothing pushes them. Warps `warp` of `warps` take rows warp, warp + warps, ...
 __device__ __forceinline__ void pull_block(const RowSpaces& rs, int block, int slot, int warp, int warps,
                                            int lane) {
   for (int r = warp; r < kBlockRows; r += warps) {
     const int64_t i = (int64_t)block * kBlockRows + r;
     const int s = rs.table[2 * i];
     const int route = rs.table[2 * i + 1];
+    if (s < 0) continue;
     const int64_t ring_row = (int64_t)slot * kBlockRows + r;
     uint4* dst = rs.ring_x + ring_row * rs.vecs;
-    if (s < 0) {
-      zero_row(dst, rs.vecs, lane);
-      if (lane == 0) rs.ring_w[ring_row] = 0.f;
-      continue;
-    }
     const char* base = reinterpret_cast<const char*>(rs.bases[s]);
     const uint4* src = reinterpret_cast<const uint4*>(base + rs.rows_offset) + (int64_t)(route / rs.K) * rs.vecs;
     copy_row_cg(src, dst, rs.vecs, lane);

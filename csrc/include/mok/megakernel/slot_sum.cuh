@@ -15,13 +15,15 @@
 #include "mok/megakernel.h"
 #include "mok/megakernel/plan.cuh"
 #include "mok/megakernel/sync.cuh"
+#include "mok/megakernel/trace.cuh"
 
 namespace mok {
 namespace mega {
 
 constexpr int kSumThreads = 256;  // warpgroups 1 and 2 of every CTA
 constexpr int kSumBarrier = 3;    // named barrier id (1 and 2 belong to the consumer warpgroups)
-constexpr int kSumChunk = 4;
+constexpr int kSumChunk = 8;    // tokens per grab
+constexpr int kSumUnroll = 8;   // slot loads in flight per (token, vector)
 
 struct SumArgs {
   const uint64_t* signal_bases;  // device [P]
@@ -32,6 +34,8 @@ struct SumArgs {
   Deadline deadline;
   uint64_t epoch;
   int P, rank, T, K, E, vecs;
+  Trace trace;
+  int64_t trace_record;  // this CTA's record
 };
 
 struct SumShared {
@@ -48,6 +52,7 @@ __device__ __forceinline__ void combine_and_sum(const SumArgs& a, SumShared& sh,
     for (int q = 0; q < a.P; ++q)
       if (!wait_flag_sys(mine + q, a.epoch, a.deadline, MOK_SITE_MK_COMBINE_DONE, q)) break;
     sh.failed = ld_volatile(&a.deadline.status[MOK_STATUS_FLAGS]) != 0;
+    a.trace.stamp(a.trace_record, kTrStart);
   }
   gemm::named_barrier_sync(kSumBarrier, kSumThreads);
   const bool failed = sh.failed != 0;
@@ -59,28 +64,57 @@ __device__ __forceinline__ void combine_and_sum(const SumArgs& a, SumShared& sh,
     gemm::named_barrier_sync(kSumBarrier, kSumThreads);  // all have read sh.next
     if (t0 >= a.T) return;
     const int t1 = t0 + kSumChunk < a.T ? t0 + kSumChunk : a.T;
-    for (int t = t0; t < t1; ++t) {
-      const int64_t* my_ids = a.ids + (int64_t)t * a.K;
-      for (int v = tid; v < a.vecs; v += kSumThreads) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int j = 0; j < a.K; ++j) {
-          const int64_t e = my_ids[j];
-          if (e < 0 || e >= a.E) continue;
-          const uint4 packed = __ldcg(a.slots + ((int64_t)t * a.K + j) * a.vecs + v);
-          const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&packed);
+    // The chunk's (token, vector) pairs, two per thread at a time, each with up to
+    // kSumUnroll slot loads in flight: the sum reads K rows per token and must stream at
+    // HBM speed (latency-bound otherwise).
+    const int pairs = (t1 - t0) * a.vecs;
+    for (int q0 = tid; q0 < pairs; q0 += 2 * kSumThreads) {
+      float acc[2][8];
+      int64_t tok[2];
+      int vec[2];
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float2 f = __bfloat1622float2(p[q]);
-            acc[2 * q] += f.x;
-            acc[2 * q + 1] += f.y;
+      for (int h = 0; h < 2; ++h) {
+        const int q = q0 + h * kSumThreads;
+        tok[h] = t0 + (q < pairs ? q / a.vecs : 0);
+        vec[h] = q < pairs ? q % a.vecs : 0;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[h][c] = 0.f;
+      }
+      for (int j0 = 0; j0 < a.K; j0 += kSumUnroll) {
+        uint4 r[2][kSumUnroll];
+        bool ok[2][kSumUnroll];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int u = 0; u < kSumUnroll; ++u) {
+            const int j = j0 + u;
+            const int64_t e = (j < a.K && q0 + h * kSumThreads < pairs) ? a.ids[tok[h] * a.K + j] : -1;
+            ok[h][u] = e >= 0 && e < a.E;
+            if (ok[h][u]) r[h][u] = __ldcg(a.slots + (tok[h] * a.K + j) * a.vecs + vec[h]);
           }
-        }
-        uint4 out;
-        __nv_bfloat162* r = reinterpret_cast<__nv_bfloat162*>(&out);
 #pragma unroll
-        for (int q = 0; q < 4; ++q)
-          r[q] = failed ? __floats2bfloat162_rn(nan, nan) : __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-        a.y[(int64_t)t * a.vecs + v] = out;
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int u = 0; u < kSumUnroll; ++u) {  // j ascending: the order of mok_sum_slots
+            if (!ok[h][u]) continue;
+            const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&r[h][u]);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const float2 f = __bfloat1622float2(p[c]);
+              acc[h][2 * c] += f.x;
+              acc[h][2 * c + 1] += f.y;
+            }
+          }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (q0 + h * kSumThreads >= pairs) continue;
+        uint4 out;
+        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          o[c] = failed ? __floats2bfloat162_rn(nan, nan) : __floats2bfloat162_rn(acc[h][2 * c], acc[h][2 * c + 1]);
+        a.y[tok[h] * a.vecs + vec[h]] = out;
       }
     }
   }

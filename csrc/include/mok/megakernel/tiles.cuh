@@ -27,6 +27,7 @@
 #include "mok/megakernel.h"
 #include "mok/megakernel/plan.cuh"
 #include "mok/megakernel/sync.cuh"
+#include "mok/megakernel/trace.cuh"
 
 namespace mok {
 namespace mega {
@@ -47,7 +48,8 @@ struct StageRecord {
   int32_t row0;     // first ring row of the block's slot
   int32_t col;      // column block
   int32_t row_end;  // ring rows >= row_end are padding
-  int32_t pad[3];
+  int32_t index;    // position in the compute queue (the trace record)
+  int32_t pad[2];
 };
 
 struct TileOperands {
@@ -95,6 +97,7 @@ struct ComputeContext {
   int32_t* counters;
   Deadline deadline;
   int L;
+  Trace trace;
 };
 
 // The producer thread. offs / cnts: the CTA's shared copies of offsets[0..L] and counts.
@@ -113,11 +116,16 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
     Item it;
     it.kind = kEnd;
     if (i < total) {
+      cx.trace.stamp(i, kTrTake);
       it = compute_item(plan, i);
       const Wait w = wait_of(plan, it);
       const int site = it.kind == kFc1 ? MOK_SITE_MK_FC1_WAITS_PULL : MOK_SITE_MK_FC2_WAITS_FC1;
       if (!wait_counter(cx.counters + counter_index(w.counter, w.slot, plan.slots), w.target, cx.deadline, site))
         it.kind = kEnd;
+      if (cx.trace.on()) {
+        cx.trace.stamp(i, kTrReady);
+        cx.trace.item(i, it.kind, it.block, it.col);
+      }
     }
     if (it.kind == kEnd) {
       gemm::mbar_wait(&ring1.empty[st.stage], st.phase ^ 1u);
@@ -138,11 +146,23 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
     rec.row0 = slot * kBlockRows;
     rec.col = it.col;
     rec.row_end = rec.row0 + real;
+    rec.index = i;
     const gemm::RowTile t{e, rec.row0, it.col, rec.row_end, true};
     if (it.kind == kFc1)
       load_tile<Fc1Cfg>(ops.fc1, t, rec, ring1, st, records);
     else
       load_tile<Fc2Cfg>(ops.fc2, t, rec, ring2, st, records);
+  }
+}
+
+// A consumer warpgroup's turn on a tile whose rows it does not compute: wait for each of the
+// tile's nk stages and hand it back.
+template <class Cfg>
+__device__ __forceinline__ void pass_stages(int nk, const gemm::SmemRing<Cfg>& ring, gemm::PipeState& st) {
+  for (int kb = 0; kb < nk; ++kb) {
+    ring.wait_full(st);
+    ring.release(st.stage);
+    st.template advance<Cfg::kStages>();
   }
 }
 
@@ -159,21 +179,37 @@ __device__ __forceinline__ void consume_tiles(const TileOperands& ops, const Pla
     const int kind = vr.kind;
     if (kind == kEnd) return;
     const gemm::RowTile t{vr.expert, vr.row0, vr.col, vr.row_end, true};
+    const int record = vr.index;
+    const bool stamps = cx.trace.on() && threadIdx.x % 128 == 0 && cw == 0;
+    if (stamps) cx.trace.stamp(record, kTrStart);
     const int slot = t.row0 / kBlockRows;
     int32_t* counter;
+    // A warpgroup whose 64 rows are all padding only passes the stages on: its rows' h and
+    // outputs are never read (fc2 skips the same rows, push skips padding rows). At ~170 rows
+    // per expert (Kimi-K2 on 2 GPUs) a third of the blocks' halves are padding.
+    const bool padding_only = t.row0 + cw * 64 >= t.row_end;
     if (kind == kFc1) {
-      gemm::mma_row_tile<Fc1Cfg>(ops.fc1, cw, 0, ring1, st, acc);
-      gemm::SwiGLUForwardEpilogue::apply<Fc1Cfg::WGN>(ops.swiglu, t, cw, 0, Fc1Cfg::BN, acc, nullptr, cw);
-      fence_proxy_async_global();  // h is read by fc2's TMA loads
+      if (padding_only) {
+        pass_stages(ops.fc1.K / gemm::kBK, ring1, st);
+      } else {
+        gemm::mma_row_tile<Fc1Cfg>(ops.fc1, cw, 0, ring1, st, acc);
+        gemm::SwiGLUForwardEpilogue::apply<Fc1Cfg::WGN>(ops.swiglu, t, cw, 0, Fc1Cfg::BN, acc, nullptr, cw);
+        fence_proxy_async_global();  // h is read by fc2's TMA loads
+      }
       counter = cx.counters + counter_index(kHReady, slot, plan.slots);
     } else {
-      gemm::mma_row_tile<Fc2Cfg>(ops.fc2, cw, 0, ring2, st, acc);
-      gemm::StoreEpilogue::apply<Fc2Cfg::WGN>(ops.store, t, cw, 0, Fc2Cfg::BN, acc, nullptr, cw);
+      if (padding_only) {
+        pass_stages(ops.fc2.K / gemm::kBK, ring2, st);
+      } else {
+        gemm::mma_row_tile<Fc2Cfg>(ops.fc2, cw, 0, ring2, st, acc);
+        gemm::StoreEpilogue::apply<Fc2Cfg::WGN>(ops.store, t, cw, 0, Fc2Cfg::BN, acc, nullptr, cw);
+      }
       counter = cx.counters + counter_index(kOutReady, slot, plan.slots);
     }
     // Every thread of the warpgroup has stored its fragment: one release covers them all.
     gemm::named_barrier_sync(1 + cw, 128);
     if (threadIdx.x % 128 == 0) red_release_gpu_add(counter, 1);
+    if (stamps) cx.trace.stamp(record, kTrDone);
   }
 }
 

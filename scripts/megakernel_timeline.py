@@ -1,0 +1,247 @@
+"""Where the forward megakernel's time goes: runs one traced launch per setting and prints its
+timeline summary (docs/megakernel.md, "Timeline").
+
+    python scripts/megakernel_timeline.py --experts 6 --settings 16:4096:8192 8:2048:8192
+    torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 6 ...   (P = 2)
+
+Each setting is comm_ctas:minibatch_rows:ring_rows (empty fields: the defaults). Per setting and
+rank it prints: the span of the launch and of its phases (first tile, last tile, last push,
+combine-done, slot sum), per item kind the count, mean wait for the input and mean run time
+(and the rate it means), the compute CTAs' busy share and their stalls by the kind of tile
+they waited for, and the first and last minibatches' milestones. With --out DIR it also saves
+a per-CTA timeline chart of rank 0 (DIR/<name>.png) and, with --npz, every rank's raw records.
+Needs the CUDA library and MOK_EXPERIMENTAL_MEGAKERNEL=1 (set here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Dict, List, Optional
+
+os.environ.setdefault("MOK_EXPERIMENTAL_MEGAKERNEL", "1")
+os.environ["MOK_MEGAKERNEL_TRACE"] = "1"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_mok import MoKConfig  # noqa: E402
+from megatron_mok.functional import check_errors, megakernel_backend, mok_moe  # noqa: E402
+
+KINDS = {1: "fc1", 2: "fc2", 3: "pull", 4: "push"}
+
+
+def parse_setting(text: str) -> Dict[str, Optional[int]]:
+    """'16:4096:8192' -> comm_sms_forward, minibatch_rows, ring_rows (empty fields: None)."""
+    parts = (text.split(":") + ["", "", ""])[:3]
+    vals = [int(v) if v else None for v in parts]
+    return dict(comm_sms_forward=vals[0], minibatch_rows=vals[1], ring_rows=vals[2])
+
+
+def decode(records: np.ndarray):
+    """Split the records into items (kind, block, col, cta, take, ready, start, done in ms from
+    the launch's first CTA start) and CTA records."""
+    meta = records[:, 4]
+    kind = meta & 0xFF
+    written = records[:, 0] > 0
+    cta_rows = written & (kind == 5)
+    item_rows = written & (kind >= 1) & (kind <= 4)
+    t0 = records[cta_rows, 0].min()
+    ms = (records[:, :4] - t0) / 1e6
+    items = dict(kind=kind[item_rows], block=(meta[item_rows] >> 8) & 0xFFFFFFFF, col=meta[item_rows] >> 40,
+                 cta=records[item_rows, 5], take=ms[item_rows, 0], ready=ms[item_rows, 1],
+                 start=ms[item_rows, 2], done=ms[item_rows, 3])
+    ctas = dict(role=(meta[cta_rows] >> 8) & 0xFF, cta=records[cta_rows, 5], start=ms[cta_rows, 0],
+                queue_end=ms[cta_rows, 1], combine=ms[cta_rows, 2], end=ms[cta_rows, 3])
+    return items, ctas
+
+
+def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str) -> List[str]:
+    """The timeline summary as lines of text."""
+    out = [f"-- {label}"]
+    span = ctas["end"].max()
+    kinds = items["kind"]
+    out.append(f"span {span:.3f} ms | last fc1 {items['done'][kinds == 1].max():.3f} | last fc2 "
+               f"{items['done'][kinds == 2].max():.3f} | last pull {items['done'][kinds == 3].max():.3f} | "
+               f"last push {items['done'][kinds == 4].max():.3f} | combine-done seen {ctas['combine'].min():.3f}"
+               f"-{ctas['combine'].max():.3f} | slot sum ends {ctas['end'].max():.3f} | CTA starts "
+               f"{ctas['start'].min():.3f}-{ctas['start'].max():.3f}")
+    flop = {1: 2 * 128 * 256 * H, 2: 2 * 128 * 256 * I}
+    byts = {3: 2 * 128 * H * 2, 4: 2 * 128 * H * 2}  # read + write of a block's rows
+    for k, name in KINDS.items():
+        sel = kinds == k
+        if not sel.any():
+            continue
+        run = items["done"][sel] - items["start"][sel]
+        wait = items["ready"][sel] - items["take"][sel]
+        med = float(np.median(run))
+        rate = (f"{flop[k] / med / 1e9:.1f} TFLOP/s per CTA" if k in flop
+                else f"{byts[k] / med / 1e6:.1f} GB/s per CTA")
+        out.append(f"{name:5s} n={int(sel.sum()):6d} run median {med * 1e3:8.1f} us (p90 "
+                   f"{np.percentile(run, 90) * 1e3:8.1f}) -> {rate} | wait mean {wait.mean() * 1e3:8.1f} us, "
+                   f"max {wait.max() * 1e3:8.1f} us")
+    # Compute CTAs: busy share of [their start, last tile done], stalls between tiles.
+    comp = np.isin(kinds, (1, 2))
+    stall_by_kind = {1: 0.0, 2: 0.0}
+    busy = 0.0
+    window = 0.0
+    first_gap = []
+    for c in np.unique(items["cta"][comp]):
+        sel = comp & (items["cta"] == c)
+        order = np.argsort(items["start"][sel])
+        st, dn, kd = items["start"][sel][order], items["done"][sel][order], kinds[sel][order]
+        busy += float((dn - st).sum())
+        cta_start = float(ctas["start"][ctas["cta"] == c][0])
+        window += float(dn[-1] - cta_start)
+        first_gap.append(float(st[0] - cta_start))
+        gaps = st[1:] - dn[:-1]
+        for k in (1, 2):
+            stall_by_kind[k] += float(gaps[(kd[1:] == k) & (gaps > 0)].sum())
+    n_comp = len(np.unique(items["cta"][comp]))
+    out.append(f"compute CTAs {n_comp}: busy {100 * busy / window:.1f}% of their window; stalls before fc1 "
+               f"{stall_by_kind[1] / n_comp:.3f} ms, before fc2 {stall_by_kind[2] / n_comp:.3f} ms per CTA; "
+               f"first tile starts {statistics.median(first_gap):.3f} ms after the CTA (median)")
+    tail = ctas["end"].max() - items["done"][comp].max()
+    out.append(f"after the last tile: {tail:.3f} ms (last push, combine-done, slot sum)")
+    # Minibatch milestones.
+    mb_blocks = mb_rows // 128
+    mb = items["block"] // mb_blocks
+    n_mb = int(mb.max()) + 1
+    rows = []
+    for m in sorted(set(range(min(3, n_mb))) | set(range(max(0, n_mb - 2), n_mb))):
+        def last(k):
+            sel = (mb == m) & (kinds == k)
+            return items["done"][sel].max() if sel.any() else float("nan")
+
+        def first(k):
+            sel = (mb == m) & (kinds == k)
+            return items["start"][sel].min() if sel.any() else float("nan")
+        rows.append(f"mb {m:3d}: pull {first(3):7.3f}-{last(3):7.3f} fc1 {first(1):7.3f}-{last(1):7.3f} "
+                    f"fc2 {first(2):7.3f}-{last(2):7.3f} push {first(4):7.3f}-{last(4):7.3f}")
+    out.append(f"{n_mb} minibatches of {mb_blocks} blocks (ms):")
+    out.extend("  " + r for r in rows)
+    return out
+
+
+def chart(items, ctas, path: str, title: str) -> None:
+    """Per-CTA timeline: one row per CTA, a bar per item (fc1, fc2, pull, push, slot sum)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = {1: "tab:blue", 2: "tab:green", 3: "tab:orange", 4: "tab:red"}
+    fig, ax = plt.subplots(figsize=(14, 8))
+    for k, name in KINDS.items():
+        sel = items["kind"] == k
+        ax.barh(items["cta"][sel], items["done"][sel] - items["start"][sel], left=items["start"][sel],
+                height=0.8, color=colors[k], label=name, linewidth=0)
+    ax.barh(ctas["cta"], ctas["end"] - ctas["combine"], left=ctas["combine"], height=0.8, color="tab:gray",
+            label="slot sum", linewidth=0)
+    ax.set_xlabel("ms since the first CTA started")
+    ax.set_ylabel("CTA")
+    ax.set_title(title)
+    ax.legend(loc="upper right", ncols=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--ffn", type=int, default=2048)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=6, help="experts per GPU")
+    ap.add_argument("--settings", nargs="+", default=["::"], help="comm:minibatch:ring (empty: default)")
+    ap.add_argument("--iters", type=int, default=5, help="timed untraced calls per setting (median shown)")
+    ap.add_argument("--out", default=None, help="write the rank-0 chart (and with --npz every rank's records) here")
+    ap.add_argument("--npz", action="store_true", help="also save the raw records")
+    ap.add_argument("--milestones", action="store_true", help="print the minibatch milestones")
+    args = ap.parse_args()
+
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group("nccl")
+        rank, P = dist.get_rank(), dist.get_world_size()
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    else:
+        rank, P = 0, 1
+    T, H, I, K, L = args.tokens, args.hidden, args.ffn, args.topk, args.experts
+    E = P * L
+    g = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K] if E >= K else \
+        torch.randint(0, E, (T, K), device="cuda", generator=g)
+    w = torch.rand(T, K, device="cuda", generator=g)
+    fc1 = (torch.randn(L, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
+    fc2 = (torch.randn(L, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
+    group = dist.group.WORLD if distributed else None
+    flop = 6 * T * K * H * I
+    for text in args.settings:
+        cfg = MoKConfig(**parse_setting(text))
+
+        def call():
+            return mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg, backend="megakernel")
+        with torch.no_grad():
+            os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
+            for _ in range(2):
+                call()
+            times = []
+            for _ in range(args.iters):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                call()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b))
+            # Back to back, no host sync: the device time per call once the host runs ahead
+            # (as in training), and the host's own time per call.
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if distributed:
+                dist.barrier()
+            torch.cuda.synchronize()
+            h0 = time.perf_counter()
+            a.record()
+            for _ in range(args.iters):
+                call()
+            b.record()
+            host_ms = (time.perf_counter() - h0) * 1e3 / args.iters
+            torch.cuda.synchronize()
+            stream_ms = a.elapsed_time(b) / args.iters
+            os.environ["MOK_MEGAKERNEL_TRACE"] = "1"
+            call()
+            torch.cuda.synchronize()
+            check_errors()
+        tr = megakernel_backend.last_trace()
+        records = tr["records"].cpu().numpy()
+        items, ctas = decode(records)
+        ms = statistics.median(times)
+        label = (f"rank {rank}/{P} L={L} T={T} H={H} I={I} K={K} comm={tr['comm_ctas']} mb={tr['minibatch_rows']} "
+                 f"ring={tr['ring_rows']}: {ms:.3f} ms untraced ({flop / ms / 1e9:.0f} TFLOP/s); back to back "
+                 f"{stream_ms:.3f} ms/call, host {host_ms:.3f} ms/call")
+        lines = summarize(items, ctas, H=H, I=I, mb_rows=tr["minibatch_rows"], label=label)
+        if not args.milestones:
+            lines = [line for line in lines if not line.startswith("  mb ") and "minibatches of" not in line]
+        if distributed:
+            gathered = [None] * P
+            dist.all_gather_object(gathered, lines)
+            if rank == 0:
+                print("\n".join(line for rank_lines in gathered for line in rank_lines), flush=True)
+        else:
+            print("\n".join(lines), flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            name = f"mk-L{L}-c{tr['comm_ctas']}-mb{tr['minibatch_rows']}-r{tr['ring_rows']}-p{P}-r{rank}"
+            if args.npz:
+                np.savez_compressed(os.path.join(args.out, name + ".npz"), records=records)
+            if rank == 0:
+                chart(items, ctas, os.path.join(args.out, name + ".png"), label)
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
