@@ -9,7 +9,7 @@
 #
 # Writes OUT_DIR/tests.log, OUT_DIR/timing-p1.log and, with two GPUs, OUT_DIR/layer-mk.*; the
 # exit status is non-zero when a step failed. Every step has a time limit; the whole script
-# stays under 10 minutes. MOK_EXPERIMENTAL_MEGAKERNEL=1 is set for all of it.
+# stays under 10 minutes.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -18,7 +18,6 @@ mkdir -p "$out"
 py=${MOK_PYTHON_BIN:-python3}
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export MOK_EXPERIMENTAL_MEGAKERNEL=1
 failed=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 

@@ -10,7 +10,7 @@ combine-done, slot sum), per item kind the count, mean wait for the input and me
 (and the rate it means), the compute CTAs' busy share and their stalls by the kind of tile
 they waited for, and the first and last minibatches' milestones. With --out DIR it also saves
 a per-CTA timeline chart of rank 0 (DIR/<name>.png) and, with --npz, every rank's raw records.
-Needs the CUDA library and MOK_EXPERIMENTAL_MEGAKERNEL=1 (set here).
+Needs the CUDA library (an sm_90 GPU).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import statistics
 import time
 from typing import Dict, List, Optional
 
-os.environ.setdefault("MOK_EXPERIMENTAL_MEGAKERNEL", "1")
 os.environ["MOK_MEGAKERNEL_TRACE"] = "1"
 
 import numpy as np  # noqa: E402

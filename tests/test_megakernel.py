@@ -1,13 +1,13 @@
 """The forward megakernel (``megakernel`` backend, docs/megakernel.md).
 
-CPU: the experimental gate and the shape rules, the tunables' checks, the custom op's fake
+CPU: auto's choice and the shape rules, the tunables' checks, the custom op's fake
 implementation and argument checks, the C ABI (struct layout, argument checks before any CUDA
-call), and the kernel's work plan replayed by a simulator that hands the two queues to
+call), and the kernel's work plan replayed by a simulator that hands the three queues to
 concurrent workers in random interleavings: every item exactly once, in the documented order,
 each started only after what it reads is ready and never while its ring slot holds another
 block, and no deadlock (a one-minibatch ring, which can deadlock, is caught).
 
-GPU (skipped without an sm_90 GPU; they set MOK_EXPERIMENTAL_MEGAKERNEL=1): against the fp32
+GPU (skipped without an sm_90 GPU): against the fp32
 oracle at P = 1, virtual ranks and P = 2; bitwise equal to the grouped GEMM kernels composed
 by hand; a hot expert through a ring far smaller than its rows; bitwise identical across runs
 and across (comm SMs, minibatch, ring) settings; CUDA graph replay; the timeout.
@@ -42,21 +42,18 @@ MOK_ERR_INVALID_ARGUMENT = -1
 
 # ---- CPU: gate, shape rules, tunables --------------------------------------------------------
 
-@pytest.fixture
-def experimental(monkeypatch):
-    monkeypatch.setenv(mkb.EXPERIMENTAL_ENV, "1")
-
-
-@pytest.mark.parametrize("value", [None, "0", "true", ""])
-def test_megakernel_is_off_unless_the_variable_is_1(monkeypatch, value):
-    if value is None:
-        monkeypatch.delenv(mkb.EXPERIMENTAL_ENV, raising=False)
+@pytest.mark.parametrize("shape,needs_grad,message", [
+    (MoEShape(4096, 7168, 8, 6, 2048), False, None),
+    (MoEShape(4096, 7168, 8, 6, 2048), True, "the call needs a backward"),
+    (MoEShape(4096, 7168, 8, 192, 2048), False, "about 171 routed rows per local expert, below 1024"),
+    (MoEShape(4096, 7168, 8, 32, 2048), False, None),  # exactly 1024 rows per expert
+])
+def test_auto_prefers_cuda_for_backwards_and_few_rows_per_expert(shape, needs_grad, message):
+    reason = mkb.auto_prefers_cuda(shape, needs_grad)
+    if message is None:
+        assert reason is None
     else:
-        monkeypatch.setenv(mkb.EXPERIMENTAL_ENV, value)
-    reason = mkb.unsupported_reason(KIMI, MoKConfig(), 2)
-    assert reason is not None
-    assert "experimental and not yet validated on a GPU" in reason
-    assert "MOK_EXPERIMENTAL_MEGAKERNEL=1" in reason
+        assert reason is not None and message in reason
 
 
 @pytest.mark.parametrize("shape,config,message", [
@@ -67,7 +64,7 @@ def test_megakernel_is_off_unless_the_variable_is_1(monkeypatch, value):
     (MoEShape(64, 1024, 2, 4, 192), MoKConfig(), "expert FFN size 192 is not a multiple of 128"),
     (MoEShape(64, 1024, 2, 2000, 512), MoKConfig(), "2000 experts per rank exceed the megakernel's 1024"),
 ])
-def test_shape_rules_once_enabled(experimental, shape, config, message):
+def test_shape_rules(shape, config, message):
     reason = mkb.unsupported_reason(shape, config, 1)
     if message is None:
         assert reason is None
@@ -85,22 +82,24 @@ def test_explicit_megakernel_on_cpu_says_why(monkeypatch):
         mok_moe(x, ids, w, fc1, fc2, backend="megakernel")
 
 
-def test_selection_gates_on_the_variable_and_auto_falls_back_with_one_log_line(monkeypatch, caplog):
-    # Stand-ins for a CUDA tensor and a working GPU stack: only the megakernel's own rule decides.
+def test_selection_auto_logs_one_line_when_it_takes_cuda(monkeypatch, caplog):
+    # Stand-ins for a CUDA tensor and a working GPU stack: only the megakernel's own rules decide.
     monkeypatch.setattr(backends, "gpu_backend_blocker", lambda x: None)
     monkeypatch.setattr(backends, "cuda_blocker", lambda x, shape, config: None)
     x = SimpleNamespace(is_cuda=True)
-    monkeypatch.delenv(mkb.EXPERIMENTAL_ENV, raising=False)
-    with pytest.raises(BackendUnavailable, match="MOK_EXPERIMENTAL_MEGAKERNEL=1"):
-        backends.select_backend("megakernel", x, KIMI, MoKConfig(), 2)
     backends._log_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="megatron_mok"):
-        assert backends.select_backend("auto", x, KIMI, MoKConfig(), 2) == "cuda"
-    lines = [r.getMessage() for r in caplog.records if "megakernel not used" in r.getMessage()]
-    assert len(lines) == 1 and "experimental" in lines[0]
-    monkeypatch.setenv(mkb.EXPERIMENTAL_ENV, "1")
-    assert backends.select_backend("auto", x, KIMI, MoKConfig(), 2) == "megakernel"
-    assert backends.select_backend("megakernel", x, KIMI, MoKConfig(), 2) == "megakernel"
+        for _ in range(3):
+            assert backends.select_backend("auto", x, KIMI, MoKConfig(), 2, needs_grad=True) == "cuda"
+    lines = [r.getMessage() for r in caplog.records if "auto uses the cuda backend" in r.getMessage()]
+    assert len(lines) == 1 and "needs a backward" in lines[0]
+    many = MoEShape(4096, 7168, 8, 6, 2048)  # ~5,500 rows per local expert
+    assert backends.select_backend("auto", x, many, MoKConfig(), 2) == "megakernel"
+    assert backends.select_backend("auto", x, KIMI, MoKConfig(), 2) == "cuda"  # few rows per expert
+    assert backends.select_backend("megakernel", x, KIMI, MoKConfig(), 2, needs_grad=True) == "megakernel"
+    with pytest.raises(BackendUnavailable, match="tile_rows=64"):
+        backends.select_backend("megakernel", x, KIMI, MoKConfig(tile_rows=64), 2)
+    assert backends.select_backend("auto", x, KIMI, MoKConfig(tile_rows=64), 2) == "cuda"
 
 
 def test_tunables_resolve_within_the_rules():
@@ -449,7 +448,7 @@ SWEEP_P1 = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", SWEEP_P1, ids=lambda s: f"T{s[1][0]}-H{s[2]}-L{s[4]}-k{s[5]}-{s[6]}")
-def test_megakernel_p1_matches_oracle(experimental, spec):
+def test_megakernel_p1_matches_oracle(spec):
     from .gpu_cases import gpu_case
 
     seed, tokens, H, I, L, K, routing, config = spec
@@ -463,7 +462,7 @@ def test_megakernel_p1_matches_oracle(experimental, spec):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", ["uniform", "hot", "unused"])
-def test_megakernel_forward_is_bitwise_the_grouped_gemm_kernels_composed(experimental, routing):
+def test_megakernel_forward_is_bitwise_the_grouped_gemm_kernels_composed(routing):
     """P = 1: pull by gather, MoK's fc1 + SwiGLU and fc2 kernels (direct-store variants, the
     epilogues the megakernel runs), then the fixed-order slot sum in fp32: the same bits."""
     from megatron_mok.ops import grouped_gemm as gg
@@ -509,7 +508,7 @@ SWEEP_VIRTUAL = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", SWEEP_VIRTUAL, ids=lambda s: f"P{len(s[1])}-H{s[2]}-L{s[4]}-k{s[5]}-{s[6]}")
-def test_megakernel_virtual_ranks_match_oracle(experimental, spec):
+def test_megakernel_virtual_ranks_match_oracle(spec):
     from .gpu_cases import gpu_case
 
     seed, tokens, H, I, L, K, routing, config = spec
@@ -534,7 +533,7 @@ def _all_to_expert_zero(case):
 
 
 @pytest.mark.gpu
-def test_megakernel_one_hot_expert_through_a_small_ring(experimental):
+def test_megakernel_one_hot_expert_through_a_small_ring():
     from .gpu_cases import gpu_case
 
     # 3000 rows to expert 0 (24 row blocks) through a ring of 2 slots; then the same on 2 virtual ranks.
@@ -551,7 +550,7 @@ SETTINGS = [(2, 128, 256), (2, 256, 1024), (4, 512, 1024), (3, 384, 1536), (None
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("virtual", [False, True], ids=["P1", "P2-virtual"])
-def test_megakernel_is_bitwise_identical_across_settings(experimental, virtual):
+def test_megakernel_is_bitwise_identical_across_settings(virtual):
     from .gpu_cases import gpu_case
 
     tokens = [2500, 1800] if virtual else [3000]
@@ -569,14 +568,14 @@ def test_megakernel_is_bitwise_identical_across_settings(experimental, virtual):
 
 
 @pytest.mark.gpu
-def test_megakernel_cuda_graph_replays_with_new_inputs(experimental):
+def test_megakernel_cuda_graph_replays_with_new_inputs():
     from .gpu_cases import check_graph_replay
 
     check_graph_replay("megakernel", MoKConfig(minibatch_rows=256, ring_rows=512), seeds=(141, 142, 143))
 
 
 @pytest.mark.gpu
-def test_megakernel_timeout_names_the_missing_rank_and_returns_nan(experimental):
+def test_megakernel_timeout_names_the_missing_rank_and_returns_nan():
     from .gpu_cases import gpu_case
 
     group = LocalEPGroup(2)
@@ -595,13 +594,12 @@ def test_megakernel_timeout_names_the_missing_rank_and_returns_nan(experimental)
 
 
 @pytest.mark.gpu
-def test_auto_picks_the_megakernel_only_when_enabled(monkeypatch):
-    x = torch.zeros(8, 1024, dtype=torch.bfloat16, device="cuda")
-    shape = MoEShape(8, 1024, 2, 4, 512)
-    monkeypatch.delenv(mkb.EXPERIMENTAL_ENV, raising=False)
-    assert backends.select_backend("auto", x, shape, MoKConfig(), 1) == "cuda"
-    monkeypatch.setenv(mkb.EXPERIMENTAL_ENV, "1")
+def test_auto_picks_the_megakernel_for_forward_only_calls_with_many_rows_per_expert():
+    x = torch.zeros(4096, 1024, dtype=torch.bfloat16, device="cuda")
+    shape = MoEShape(4096, 1024, 2, 4, 512)
     assert backends.select_backend("auto", x, shape, MoKConfig(), 1) == "megakernel"
+    assert backends.select_backend("auto", x, shape, MoKConfig(), 1, needs_grad=True) == "cuda"
+    assert backends.select_backend("auto", x, MoEShape(8, 1024, 2, 4, 512), MoKConfig(), 1) == "cuda"
 
 
 # ------------------------------------------------------------------------------------------
@@ -618,13 +616,10 @@ P2_SETTINGS = [MoKConfig(), MoKConfig(comm_sms_forward=2, minibatch_rows=128, ri
 
 
 def _p2_worker(rank, world, specs):
-    import os
-
     import torch.distributed as dist
 
     from .gpu_cases import gpu_case, oracle, rel_err
 
-    os.environ[mkb.EXPERIMENTAL_ENV] = "1"
     group = dist.group.WORLD
     for spec in specs:
         seed, tokens, H, I, L, K, routing = spec

@@ -1,9 +1,10 @@
 """The ``megakernel`` backend: the layer forward in one persistent kernel launch per MoE layer
 (after the schedule kernel), the backward by recomputation with the ``cuda`` backend's pieces.
 
-EXPERIMENTAL: compiled, never yet run on a GPU. It is chosen only when the environment sets
-``MOK_EXPERIMENTAL_MEGAKERNEL=1``; otherwise :func:`unsupported_reason` says so and ``auto``
-falls back to the ``cuda`` backend (docs/megakernel.md).
+Validated on H200s (P = 1, virtual ranks, P = 2: tests/test_megakernel.py). ``auto`` takes it
+for calls without a backward and with many rows per expert (:func:`auto_prefers_cuda`, from the
+measurements in docs/perf-notes.md); ``backend="megakernel"`` (``--mok-backend megakernel``)
+takes it whenever the shape allows.
 
 Forward, on every rank:
 
@@ -40,8 +41,6 @@ from .groups import EPGroup, LocalEPRank, group_size_rank
 from .validate import MoEShape
 from .workspace import Workspace, get_workspace
 
-EXPERIMENTAL_ENV = "MOK_EXPERIMENTAL_MEGAKERNEL"
-"""Environment variable that must be "1" for the megakernel to be used at all."""
 TRACE_ENV = "MOK_MEGAKERNEL_TRACE"
 """When "1", every forward launch records its timeline (read it with :func:`last_trace`)."""
 
@@ -60,18 +59,32 @@ SITE_BWD_REPUBLISH, SITE_BWD_REPULLED = 5, 6  # named in workspace.SITE_NAMES
 BLOCK_ROWS = mk_ops.BLOCK_ROWS
 
 
-def experimental_enabled() -> bool:
-    """Whether ``MOK_EXPERIMENTAL_MEGAKERNEL=1`` is set."""
-    return os.environ.get(EXPERIMENTAL_ENV) == "1"
+AUTO_MIN_ROWS_PER_EXPERT = 1024
+"""``auto`` prefers the cuda backend below this many routed rows per local expert (T * K / L).
+Measured on 2 H200s, T = 4096, K = 8 (docs/perf-notes.md): at ~5,500 rows per expert (6 per GPU)
+the megakernel's forward is 11% faster than the cuda backend's; at ~170 (192 per GPU, Kimi-K2
+at EP = 2) it is 6% slower (every expert's second 128-row block is two-thirds padding, and the
+weight-bound fc1 tiles cannot hide it). No shape between those two was measured."""
+
+
+def auto_prefers_cuda(shape: MoEShape, needs_grad: bool) -> Optional[str]:
+    """Why ``auto`` should run this call on the ``cuda`` backend although the megakernel takes
+    it, or None to take the megakernel."""
+    if needs_grad:
+        return ("the call needs a backward, and the megakernel keeps no activations (its backward "
+                "re-pulls the rows and recomputes fc1; measured slower in total than the cuda backend, "
+                "docs/perf-notes.md); --mok-backend megakernel forces it")
+    rows = shape.tokens * shape.topk / max(shape.experts_per_rank, 1)
+    if rows < AUTO_MIN_ROWS_PER_EXPERT:
+        return (f"about {rows:.0f} routed rows per local expert, below {AUTO_MIN_ROWS_PER_EXPERT}, where the "
+                "cuda backend is faster (docs/perf-notes.md); backend='megakernel' forces it")
+    return None
 
 
 def unsupported_reason(shape: MoEShape, config: MoKConfig, ep_size: int) -> Optional[str]:
     """Why the megakernel does not take this call, or None. Reads no device state (the
     device-dependent rules, comm SMs against the SM count, are checked by
     :func:`resolve_tunables` before any GPU work)."""
-    if not experimental_enabled():
-        return (f"the megakernel is experimental and not yet validated on a GPU; set "
-                f"{EXPERIMENTAL_ENV}=1 to use it")
     if config.tile_rows != BLOCK_ROWS:
         return (f"tile_rows={config.tile_rows}; the megakernel's row blocks are {BLOCK_ROWS} rows "
                 "(the cuda backend takes 64)")
