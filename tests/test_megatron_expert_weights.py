@@ -18,6 +18,8 @@ import torch
 
 from megatron_mok.functional import mok_moe
 from megatron_mok.megatron.experts import (
+    ZERO_COPY_ENV,
+    zero_copy_enabled,
     FORWARD,
     REVERSED,
     expert_layout,
@@ -31,6 +33,14 @@ from megatron_mok.megatron.routing import reverse_local_expert_ids
 from tests.megatron_utils import batch, build_gpt, loss_and_grads, megatron_ranks, moe_layers, tiny_config
 
 L, I, H, T, K = 4, 8, 16, 12, 2
+
+
+@pytest.fixture(autouse=True)
+def zero_copy_on(monkeypatch):
+    """These tests check the zero-copy path, which is opt-in (MOK_ZERO_COPY_EXPERT_WEIGHTS=1)."""
+    monkeypatch.setenv(ZERO_COPY_ENV, "1")
+
+
 
 
 def _params(n=L, shape=(2 * I, H), seed=0):
@@ -350,6 +360,26 @@ def _conversions(rank, world):
     model.double()  # new tensor per parameter: stacked again
     assert [w.dtype for w in sum(_expert_lists(layer), [])] == [torch.float64] * 8
     assert [expert_layout(ws) for ws in _expert_lists(layer)] == [FORWARD, FORWARD]
+
+
+def _default_copies(rank, world):
+    import megatron_mok
+
+    assert not zero_copy_enabled()
+    megatron_mok.register()
+    model = build_gpt(tiny_config("mok", world, mok_settings=_settings()), seed=8)
+    layer = moe_layers(model)[0][1]
+    fc1, fc2, _, reverse = layer._expert_weights()
+    params1, params2 = _expert_lists(layer)
+    assert not reverse
+    assert fc1.data_ptr() not in [w.data_ptr() for w in params1]  # a copy, not a view
+    assert torch.equal(fc1[: len(params1)], torch.stack(params1))
+    assert torch.equal(fc2[: len(params2)], torch.stack(params2))
+
+
+def test_zero_copy_is_off_by_default_and_the_layer_copies(monkeypatch):
+    monkeypatch.delenv(ZERO_COPY_ENV, raising=False)
+    megatron_ranks(_default_copies, 1)
 
 
 def test_dtype_conversion_restacks_the_expert_parameters():

@@ -22,11 +22,15 @@ distributed optimizer interleaving ``SequentialMLP``'s fc1 and fc2) falls back t
 
 from __future__ import annotations
 
+import os
+
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 __all__ = [
+    "ZERO_COPY_ENV",
+    "zero_copy_enabled",
     "FORWARD", "REVERSED", "expert_layout", "local_expert_weights", "shared_expert_weights",
     "stack_expert_storage", "stack_experts", "stack_parameter_storage", "stacked",
 ]
@@ -108,6 +112,19 @@ def shared_expert_weights(shared, expert_ffn: int) -> Tuple[List[torch.Tensor], 
 
 # ----------------------------------------------------------------------------------------------
 # Zero-copy stacking.
+
+
+ZERO_COPY_ENV = "MOK_ZERO_COPY_EXPERT_WEIGHTS"
+"""When "1", the layer passes views of the stacked expert parameters instead of a
+``torch.stack`` copy. Off by default: on two H200s, training the proxy DeepSeek-V3 with it
+failed in the first backward ("Output 0 of _StackedViewBackward is a view and its base or
+another view of its base has been modified inplace") although every CPU test passes;
+docs/megatron.md, "Known costs and limits"."""
+
+
+def zero_copy_enabled() -> bool:
+    """Whether ``MOK_ZERO_COPY_EXPERT_WEIGHTS=1`` is set."""
+    return os.environ.get(ZERO_COPY_ENV) == "1"
 
 
 def expert_layout(weights: Sequence[torch.Tensor]) -> Optional[str]:

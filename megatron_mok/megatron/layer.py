@@ -46,6 +46,7 @@ from .experts import (
     local_expert_weights,
     shared_expert_weights,
     stack_expert_storage,
+    zero_copy_enabled,
     stack_experts,
 )
 from .peers import check_ep_peer_access, gpu_backend_will_run
@@ -177,6 +178,11 @@ class MoKMoELayer(MoELayer):
         weights are slices of the shared expert's), costs one ``torch.stack`` copy.
         """
         fc1, fc2 = local_expert_weights(self.experts, self.num_local_experts)
+        if not zero_copy_enabled():
+            if self.fused_shared:
+                sh1, sh2 = shared_expert_weights(self.shared_experts, self.config.moe_ffn_hidden_size)
+                return torch.stack(fc1 + sh1), torch.stack(fc2 + sh2), len(sh1), False
+            return torch.stack(fc1), torch.stack(fc2), 0, False
         if self.fused_shared:
             sh1, sh2 = shared_expert_weights(self.shared_experts, self.config.moe_ffn_hidden_size)
             return torch.stack(fc1 + sh1), torch.stack(fc2 + sh2), len(sh1), False
