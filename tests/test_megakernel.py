@@ -189,7 +189,8 @@ def _valid_args(**over):
     dict(H=1000), dict(I=192), dict(L=0), dict(L=2000), dict(rank=2), dict(P=0),
     dict(minibatch_rows=200), dict(ring_rows=256), dict(ring_rows=640), dict(comm_ctas=1),
     dict(num_ctas=2), dict(timeout_ns=0), dict(table=0), dict(y=0), dict(rows_offset=8),
-    dict(ring_x=0x10008),
+    dict(ring_x=0x10008), dict(trace=0x10000, trace_capacity=0), dict(save_x=0x10000),
+    dict(save_x=0x10000, save_w=0x10000), dict(save_x=0x10000, save_w=0x10000, save_gu=0x10008),
 ])
 def test_c_abi_rejects_bad_arguments_before_any_cuda_call(use_lib, over):
     _, fns = mk._lib()
@@ -353,7 +354,7 @@ def _op_args(R=512, L=4, H=1024, I=512, T=6, K=2, P=2, words=None):
         fc2_weight=z(L, H, I), ring_x=z(R, H), ring_h=z(R, I), ring_w=z(R, dtype=torch.float32),
         counters=z(words if words is not None else 8 + 4 * (R // 128), dtype=torch.int32),
         epoch_counter=z(1, dtype=torch.int64), status=z(8, dtype=torch.int32), rank=0, minibatch_rows=256,
-        comm_ctas=2, num_ctas=0, timeout_ns=10 ** 9, trace=None)
+        comm_ctas=2, num_ctas=0, timeout_ns=10 ** 9, trace=None, save_x=None, save_w=None, save_gu=None)
 
 
 def test_fake_impl_gives_the_output_shape():
@@ -387,6 +388,24 @@ def test_op_checks_name_the_bad_value(use_lib, over, message):
     with pytest.raises(mk.MegakernelArgumentError, match=message):
         mk.check_forward_args(*(a[k] for k in keys), rank=a["rank"], minibatch_rows=a["minibatch_rows"],
                               comm_ctas=a["comm_ctas"], num_ctas=a["num_ctas"], timeout_ns=a["timeout_ns"])
+
+
+@pytest.mark.parametrize("over,message", [
+    (dict(save_x=torch.zeros(100, 1024, dtype=torch.bfloat16)), r"save_x, save_w and save_gu go together.*save_x only"),
+    (dict(save_x=torch.zeros(100, 1024, dtype=torch.bfloat16), save_w=torch.zeros(100),
+          save_gu=torch.zeros(100, 512, dtype=torch.bfloat16)), r"save_gu must have shape \(100, 1024\)"),
+    (dict(save_x=torch.zeros(99, 1024, dtype=torch.bfloat16), save_w=torch.zeros(100),
+          save_gu=torch.zeros(100, 1024, dtype=torch.bfloat16)), r"save_x must have shape \(100, 1024\)"),
+    (dict(save_x=torch.zeros(100, 1024, dtype=torch.bfloat16), save_w=torch.zeros(100, dtype=torch.float64),
+          save_gu=torch.zeros(100, 1024, dtype=torch.bfloat16)), r"save_w must be torch.float32"),
+])
+def test_training_copies_are_checked(use_lib, over, message):
+    a = _op_args()
+    a.update(over)
+    with pytest.raises(mk.MegakernelArgumentError, match=message):
+        mk.check_save_args(a["save_x"], a["save_w"], a["save_gu"], a["table"], a["fc1_weight"])
+    with pytest.raises(mk.MegakernelArgumentError, match=message):
+        torch.ops.mok.megakernel_forward(**a)
 
 
 # ---- GPU -------------------------------------------------------------------------------------

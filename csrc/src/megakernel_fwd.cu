@@ -217,6 +217,9 @@ int check_args(const MokMegakernelArgs& a) {
               aligned16(a.fc2_weight) && (a.y == nullptr || aligned16(a.y)));
   MOK_REQUIRE((reinterpret_cast<uintptr_t>(a.counters) & 7u) == 0);
   MOK_REQUIRE(a.trace == nullptr || a.trace_capacity > 0);
+  const bool any_save = a.save_x || a.save_w || a.save_gu;
+  MOK_REQUIRE(!any_save || (a.save_x && a.save_w && a.save_gu));
+  MOK_REQUIRE(!any_save || (aligned16(a.save_x) && aligned16(a.save_gu)));
   return MOK_OK;
 }
 
@@ -265,9 +268,11 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.ops.fc2.K = (int)a.I;
   p.ops.fc2.N = (int)a.H;
   p.ops.swiglu = {static_cast<__nv_bfloat16*>(a.ring_h), nullptr, a.ring_w, (int)a.I, a.ring_rows};
+  p.ops.save_gu = static_cast<__nv_bfloat16*>(a.save_gu);
   p.ops.store = {static_cast<__nv_bfloat16*>(a.ring_x), (int)a.H, a.ring_rows};
   p.rows = RowSpaces{a.bases, a.rows_offset, a.scalars_offset, a.slots_offset, a.table,
-                     static_cast<uint4*>(a.ring_x), a.ring_w, (int)a.K, (int)(a.H / 8)};
+                     static_cast<uint4*>(a.ring_x), a.ring_w, static_cast<uint4*>(a.save_x), a.save_w,
+                     (int)a.K, (int)(a.H / 8)};
   p.signal_bases = a.signal_bases;
   p.ids = a.topk_ids;
   p.y = static_cast<uint4*>(a.y);

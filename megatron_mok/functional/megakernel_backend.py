@@ -17,10 +17,10 @@ Forward, on every rank:
    then the fixed-order sum over the top-k slots. Memory: the ring, ``ring_rows * (H + I) * 2
    + ring_rows * 4`` bytes plus the counters, fixed by the config whatever the routing.
 
-Backward (nothing of the forward's activations is kept): publish x and the router weights
-again, barrier, re-pull them with the ``cuda`` backend's pull kernel, barrier (every rank has
-pulled before anyone publishes dy over its tokens), recompute the fc1 pre-activation with
-``torch._grouped_mm``, then the ``cuda`` backend's backward (``_CudaMoE.backward``).
+Backward: when the call needs one, the launch also writes the activations the ``cuda``
+backend's backward reads (the pulled rows, their router weights and the fc1 pre-activation, at
+their expert-grouped layout rows: the same buffers and sizes as the ``cuda`` backend keeps), and
+the backward is ``_CudaMoE.backward`` on them. A forward without grad keeps nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..config import MoKConfig, MoKConfigError
-from ..ops import comm as comm_ops
 from ..ops import megakernel as mk_ops
 from . import cuda_backend
 from .groups import EPGroup, LocalEPRank, group_size_rank
@@ -53,8 +52,6 @@ def last_trace() -> Dict[str, object]:
     and the launch's ``minibatch_rows``, ``ring_rows``, ``comm_ctas``, ``hidden``,
     ``ffn_hidden``. Empty when nothing was traced."""
     return dict(_last_trace)
-
-SITE_BWD_REPUBLISH, SITE_BWD_REPULLED = 5, 6  # named in workspace.SITE_NAMES
 
 BLOCK_ROWS = mk_ops.BLOCK_ROWS
 
@@ -175,6 +172,7 @@ class _MegakernelMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, call: _Call):
         ws, ring, cfg = call.ws, call.ring, call.config
+        training = any(ctx.needs_input_grad)
         ws.raise_if_failed(call.timeout_s)
         ws.publish(x, topk_ids, topk_weights)
         ws.barrier(cuda_backend.SITE_FWD_DISPATCH, call.timeout_s)
@@ -186,35 +184,28 @@ class _MegakernelMoE(torch.autograd.Function):
                                 dtype=torch.int64, device=x.device)
             _last_trace.update(records=trace, minibatch_rows=cfg.minibatch_rows, ring_rows=cfg.ring_rows,
                                comm_ctas=cfg.comm_sms_forward, hidden=H, ffn_hidden=I)
+        saved = (None, None, None)
+        if training:  # the cuda backend's activations, written by the launch
+            R, H, two_i = table.shape[0], fc1.shape[2], fc1.shape[1]
+            saved = (torch.empty((R, H), dtype=torch.bfloat16, device=x.device),
+                     torch.empty((R,), dtype=torch.float32, device=x.device),
+                     torch.empty((R, two_i), dtype=torch.bfloat16, device=x.device))
         y = mk_ops.megakernel_forward(
             ws.bases, ws.signal_bases, ws.layout.rows, ws.layout.scalars, ws.layout.slots, table, offsets, counts,
             topk_ids, fc1, fc2, ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, ws.rank,
-            cfg.minibatch_rows, cfg.comm_sms_forward, call.num_ctas, int(call.timeout_s * 1e9), trace)
+            cfg.minibatch_rows, cfg.comm_sms_forward, call.num_ctas, int(call.timeout_s * 1e9), trace, *saved)
         ws.mirror_status()
-        ctx.save_for_backward(x, topk_ids, topk_weights, fc1, fc2, table, offsets)
-        ctx.call = call
+        if training:
+            ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, *saved)
+            ctx.call = call
+            ctx.tokens = x.shape[0]
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, topk_ids, topk_weights, fc1, fc2, table, offsets = ctx.saved_tensors
-        call: _Call = ctx.call
-        ws = call.ws
-        ws.raise_if_failed(call.timeout_s)
-        T, K, H = topk_ids.shape[0], ws.layout.topk, ws.layout.hidden
-        # Re-pull the forward's rows and router weights: publish them again (the workspace
-        # serves every layer), barrier, pull, and a second barrier so that no rank publishes dy
-        # over its tokens while a peer still pulls them.
-        ws.publish(x, None, topk_weights)
-        ws.barrier(SITE_BWD_REPUBLISH, call.timeout_s)
-        x_disp, w_disp = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, table, offsets,
-                                            K, table.shape[0], H, True, 0)
-        ws.barrier(SITE_BWD_REPULLED, call.timeout_s)
-        ab = cuda_backend._grouped_mm(x_disp, fc1.transpose(1, 2), offsets[1:])  # [R_cap, 2I]
-        # The cuda backend's backward from here on, with the recomputed activations in place
-        # of the ones its own forward keeps.
+        topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab = ctx.saved_tensors
         inner = SimpleNamespace(saved_tensors=(topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab),
-                                call=call.cuda_call, tokens=T)
+                                call=ctx.call.cuda_call, tokens=ctx.tokens)
         dx, _, dw, d_fc1, d_fc2, _ = cuda_backend._CudaMoE.backward(inner, dy)
         return dx, None, dw, d_fc1, d_fc2, None
 

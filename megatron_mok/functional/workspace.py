@@ -39,10 +39,8 @@ SITE_NAMES = {
     2: "forward combine (waiting for every rank to push its expert outputs)",
     3: "backward (waiting for every rank to publish its output gradients)",
     4: "backward (waiting for every rank to push its input gradients)",
-    # The megakernel backend (functional/megakernel_backend.py; 7-11 are recorded inside its
-    # launch, csrc/include/mok/megakernel.h).
-    5: "megakernel backward (waiting for every rank to publish its tokens again)",
-    6: "megakernel backward (waiting for every rank to re-pull its tokens)",
+    # 5 and 6 are no longer used (the megakernel's former recompute backward). The megakernel
+    # records 7-11 inside its launch (csrc/include/mok/megakernel.h).
     7: "forward megakernel, inside this rank's launch (fc1 waiting for its pulled rows)",
     8: "forward megakernel, inside this rank's launch (fc2 waiting for its row block's fc1)",
     9: "forward megakernel, inside this rank's launch (push waiting for its row block's fc2)",

@@ -67,6 +67,7 @@ class MegakernelArgs(ctypes.Structure):
         ("P", _i64), ("rank", _i64), ("L", _i64), ("H", _i64), ("I", _i64), ("K", _i64), ("T", _i64),
         ("ring_rows", _i64), ("minibatch_rows", _i64), ("comm_ctas", _i64), ("num_ctas", _i64),
         ("trace", _v), ("trace_capacity", _i64),
+        ("save_x", _v), ("save_w", _v), ("save_gu", _v),
     ]
 
 
@@ -181,6 +182,23 @@ def check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc
         _fail(f"timeout_ns = {timeout_ns} must be positive")
 
 
+def check_save_args(save_x, save_w, save_gu, table, fc1_weight) -> None:
+    """The training copies of :func:`megakernel_forward`: all three or none, shaped by the
+    table's row capacity R_cap and the weights."""
+    given = [t is not None for t in (save_x, save_w, save_gu)]
+    if not any(given):
+        return
+    if not all(given):
+        _fail("save_x, save_w and save_gu go together (the training copies): got "
+              + ", ".join(n for n, g in zip(("save_x", "save_w", "save_gu"), given) if g) + " only")
+    L, two_i, H = fc1_weight.shape
+    R = table.shape[0]
+    dev = fc1_weight.device
+    _tensor("save_x", save_x, torch.bfloat16, shape=(R, H), device=dev)
+    _tensor("save_w", save_w, torch.float32, shape=(R,), device=dev)
+    _tensor("save_gu", save_gu, torch.bfloat16, shape=(R, two_i), device=dev)
+
+
 # ---- the op ----------------------------------------------------------------------------------
 
 @torch.library.custom_op("mok::megakernel_forward", mutates_args="unknown")
@@ -190,7 +208,8 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
                        ring_x: torch.Tensor, ring_h: torch.Tensor, ring_w: torch.Tensor, counters: torch.Tensor,
                        epoch_counter: torch.Tensor, status: torch.Tensor, rank: int, minibatch_rows: int,
                        comm_ctas: int, num_ctas: int, timeout_ns: int,
-                       trace: Optional[torch.Tensor]) -> torch.Tensor:
+                       trace: Optional[torch.Tensor], save_x: Optional[torch.Tensor],
+                       save_w: Optional[torch.Tensor], save_gu: Optional[torch.Tensor]) -> torch.Tensor:
     """One MoE layer forward in one persistent launch (after the schedule kernel).
 
     Args:
@@ -209,6 +228,10 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
         num_ctas: CTAs of the launch (0: one per SM). timeout_ns: deadline of every wait.
         trace: None, or an int64 [N, 6] timeline (:data:`TRACE_FIELDS` per record; records past N
             are not written); see :func:`trace_records` for the size that holds every record.
+        save_x, save_w, save_gu: None, or (for training) bf16 [R_cap, H], fp32 [R_cap] and bf16
+            [R_cap, 2I] (R_cap = table rows), overwritten with the pulled rows, their router
+            weights and the fc1 pre-activation at their expert-grouped layout rows (padding rows
+            zero): what the cuda backend's backward reads.
 
     Returns:
         y: bf16 [T, H], the weighted sum over the top-k slots (NaN if a status flag is set).
@@ -220,6 +243,7 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
         _tensor("trace", trace, torch.int64, 2, device=fc1_weight.device)
         if trace.shape[1] != len(TRACE_FIELDS):
             _fail(f"trace must be [N, {len(TRACE_FIELDS)}], got {tuple(trace.shape)}")
+    check_save_args(save_x, save_w, save_gu, table, fc1_weight)
     T, K = topk_ids.shape
     L, two_i, H = fc1_weight.shape
     y = torch.empty((T, H), dtype=torch.bfloat16, device=fc1_weight.device)
@@ -232,7 +256,9 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
         y=y.data_ptr() if T else 0, epoch_counter=epoch_counter.data_ptr(), status=status.data_ptr(),
         timeout_ns=timeout_ns, P=bases.numel(), rank=rank, L=L, H=H, I=two_i // 2, K=K, T=T,
         ring_rows=ring_x.shape[0], minibatch_rows=minibatch_rows, comm_ctas=comm_ctas, num_ctas=num_ctas,
-        trace=trace.data_ptr() if trace is not None else 0, trace_capacity=trace.shape[0] if trace is not None else 0)
+        trace=trace.data_ptr() if trace is not None else 0, trace_capacity=trace.shape[0] if trace is not None else 0,
+        save_x=save_x.data_ptr() if save_x is not None else 0, save_w=save_w.data_ptr() if save_w is not None else 0,
+        save_gu=save_gu.data_ptr() if save_gu is not None else 0)
     lib, fns = _lib()
     lib.check(fns["forward"](ctypes.byref(args), stream_of(y)), "mok_megakernel_forward")
     return y
@@ -241,5 +267,5 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
 @megakernel_forward.register_fake
 def _(bases, signal_bases, rows_offset, scalars_offset, slots_offset, table, offsets, counts, topk_ids,
       fc1_weight, fc2_weight, ring_x, ring_h, ring_w, counters, epoch_counter, status, rank, minibatch_rows,
-      comm_ctas, num_ctas, timeout_ns, trace):
+      comm_ctas, num_ctas, timeout_ns, trace, save_x, save_w, save_gu):
     return fc1_weight.new_empty((topk_ids.shape[0], fc1_weight.shape[2]))

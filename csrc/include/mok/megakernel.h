@@ -45,6 +45,12 @@ typedef struct MokMegakernelArgs {
   int64_t* trace;                // optional timeline, int64 [trace_capacity, 6] (null: off;
                                  // mok/megakernel/trace.cuh says what each record holds)
   int64_t trace_capacity;        // records of `trace`
+  // For training (all three or none): the activations the cuda backend's backward reads, at
+  // their expert-grouped layout rows (padding rows zero): the pulled rows bf16 [R_cap, H], their
+  // router weights fp32 [R_cap] and the fc1 pre-activation bf16 [R_cap, 2I] (gate | up).
+  void* save_x;
+  float* save_w;
+  void* save_gu;
 } MokMegakernelArgs;
 
 MOK_API int64_t mok_megakernel_args_bytes(void);

@@ -49,13 +49,15 @@ struct StageRecord {
   int32_t col;      // column block
   int32_t row_end;  // ring rows >= row_end are padding
   int32_t index;    // position in the compute queue (the trace record)
-  int32_t pad[2];
+  int32_t block;    // row block (its layout rows: block * 128 ..)
+  int32_t pad;
 };
 
 struct TileOperands {
   gemm::RowOperands fc1;  // A: ring x [ring_rows, H]; B: fc1 weight [L * 2I, H]; K = H, N = 2I
   gemm::RowOperands fc2;  // A: ring h [ring_rows, I]; B: fc2 weight [L * H, I]; K = I, N = H
-  gemm::SwiGLUForwardEpilogue::Params swiglu;  // h = ring h, scale = ring router weights
+  gemm::SwiGLUForwardEpilogue::Params swiglu;  // h = ring h, scale = ring router weights, gu = null
+  __nv_bfloat16* save_gu;                      // [R_cap, 2I] training copy of the pre-activation, or null
   gemm::StoreEpilogue::Params store;           // out = ring x (the block's x rows are dead by then)
 };
 
@@ -147,6 +149,7 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
     rec.col = it.col;
     rec.row_end = rec.row0 + real;
     rec.index = i;
+    rec.block = it.block;
     const gemm::RowTile t{e, rec.row0, it.col, rec.row_end, true};
     if (it.kind == kFc1)
       load_tile<Fc1Cfg>(ops.fc1, t, rec, ring1, st, records);
@@ -166,6 +169,21 @@ __device__ __forceinline__ void pass_stages(int nk, const gemm::SmemRing<Cfg>& r
   }
 }
 
+// A padding-only warpgroup's share of the training copy of the pre-activation: zeros for its 64
+// rows in the tile's 128 gate and 128 up columns (the backward reads every row of a segment).
+__device__ __forceinline__ void zero_gu_half(const gemm::SwiGLUForwardEpilogue::Params& sp,
+                                             const gemm::RowTile& t, int cw) {
+  const int lane = threadIdx.x % 128;
+  const int c0 = t.col_block * kFc1Cols;
+  for (int q = lane; q < 64 * 2 * (kFc1Cols / 8); q += 128) {
+    const int r = q / (2 * (kFc1Cols / 8));
+    const int v = q % (2 * (kFc1Cols / 8));
+    const int col = (v < kFc1Cols / 8 ? c0 : sp.inter + c0) + 8 * (v % (kFc1Cols / 8));
+    const int64_t row = t.row0 + cw * 64 + r;
+    *reinterpret_cast<uint4*>(sp.gu + row * 2 * sp.inter + col) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // Consumer warpgroup cw (0 or 1): rows cw * 64 .. +64 of every tile.
 __device__ __forceinline__ void consume_tiles(const TileOperands& ops, const Plan& plan, const ComputeContext& cx,
                                               const gemm::SmemRing<Fc1Cfg>& ring1,
@@ -180,6 +198,7 @@ __device__ __forceinline__ void consume_tiles(const TileOperands& ops, const Pla
     if (kind == kEnd) return;
     const gemm::RowTile t{vr.expert, vr.row0, vr.col, vr.row_end, true};
     const int record = vr.index;
+    const int block = vr.block;
     const bool stamps = cx.trace.on() && threadIdx.x % 128 == 0 && cw == 0;
     if (stamps) cx.trace.stamp(record, kTrStart);
     const int slot = t.row0 / kBlockRows;
@@ -189,11 +208,17 @@ __device__ __forceinline__ void consume_tiles(const TileOperands& ops, const Pla
     // per expert (Kimi-K2 on 2 GPUs) a third of the blocks' halves are padding.
     const bool padding_only = t.row0 + cw * 64 >= t.row_end;
     if (kind == kFc1) {
+      // The training copy of the pre-activation goes to the block's layout rows: the epilogue
+      // addresses gu by ring row, so shift its base by (layout row - ring row).
+      gemm::SwiGLUForwardEpilogue::Params sp = ops.swiglu;
+      if (ops.save_gu != nullptr)
+        sp.gu = ops.save_gu + ((int64_t)block * kBlockRows - t.row0) * 2 * sp.inter;
       if (padding_only) {
         pass_stages(ops.fc1.K / gemm::kBK, ring1, st);
+        if (ops.save_gu != nullptr) zero_gu_half(sp, t, cw);
       } else {
         gemm::mma_row_tile<Fc1Cfg>(ops.fc1, cw, 0, ring1, st, acc);
-        gemm::SwiGLUForwardEpilogue::apply<Fc1Cfg::WGN>(ops.swiglu, t, cw, 0, Fc1Cfg::BN, acc, nullptr, cw);
+        gemm::SwiGLUForwardEpilogue::apply<Fc1Cfg::WGN>(sp, t, cw, 0, Fc1Cfg::BN, acc, nullptr, cw);
         fence_proxy_async_global();  // h is read by fc2's TMA loads
       }
       counter = cx.counters + counter_index(kHReady, slot, plan.slots);
