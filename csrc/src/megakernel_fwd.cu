@@ -19,6 +19,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "mok/cuda_check.cuh"
@@ -151,7 +152,8 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
   __syncthreads();
   const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2};
   const int wg = threadIdx.x / 128;
-  const int64_t cta_record = p.trace.on() ? compute_items(plan) + comm_items(plan) + blockIdx.x : -1;
+  const int64_t cta_record =
+      p.trace.on() ? (int64_t)compute_items(plan) + comm_items(plan) + (int64_t)blockIdx.x : (int64_t)-1;
   if (p.trace.on() && threadIdx.x == 0) {
     p.trace.stamp(cta_record, kTrTake);
     p.trace.put(cta_record, kTrMeta, kTraceCtaKind | ((sh.ticket < p.comm_ctas ? 1 : 0) << 8));
@@ -195,6 +197,31 @@ __global__ void reset_kernel(int32_t* counters, int64_t words, uint64_t* epoch_c
 static_assert(kEpochLo == 0 && kComputeNext == 2, "the epoch takes words 0-1, the rest is reset");
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+// CTAs of forward_kernel per SM on the current device, queried once per device (the
+// shared-memory attribute and the occupancy query cost more host time than the launch itself).
+constexpr int kMaxDevices = 64;
+std::atomic<int> g_ctas_per_sm[kMaxDevices];  // 0: not known yet
+
+cudaError_t ctas_per_sm(int* out) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const bool cached = dev >= 0 && dev < kMaxDevices;
+  if (cached) {
+    const int known = g_ctas_per_sm[dev].load(std::memory_order_relaxed);
+    if (known > 0) {
+      *out = known;
+      return cudaSuccess;
+    }
+  }
+  e = cudaFuncSetAttribute(forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e != cudaSuccess) return e;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(out, forward_kernel, g::kThreads, kSmemBytes);
+  if (e != cudaSuccess) return e;
+  if (cached && *out > 0) g_ctas_per_sm[dev].store(*out, std::memory_order_relaxed);
+  return cudaSuccess;
+}
 
 // Argument checks (no CUDA call). Returns MOK_OK or MOK_ERR_INVALID_ARGUMENT.
 int check_args(const MokMegakernelArgs& a) {
@@ -297,10 +324,7 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   // the work (a fixed share of the SMs when the caller asks for fewer).
   int sms = 0, per_sm = 0;
   MOK_RETURN_IF_CUDA_ERROR(g::sm_count(&sms));
-  MOK_RETURN_IF_CUDA_ERROR(
-      cudaFuncSetAttribute(forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  MOK_RETURN_IF_CUDA_ERROR(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, forward_kernel, g::kThreads, kSmemBytes));
+  MOK_RETURN_IF_CUDA_ERROR(ctas_per_sm(&per_sm));
   if (per_sm < 1) return MOK_ERR_UNSUPPORTED;  // the CTA does not fit an SM of this device
   int64_t grid = (int64_t)sms * per_sm;
   if (a.num_ctas > 0 && a.num_ctas < grid) grid = a.num_ctas;

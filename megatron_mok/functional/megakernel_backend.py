@@ -25,6 +25,7 @@ the backward is ``_CudaMoE.backward`` on them. A forward without grad keeps noth
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from dataclasses import dataclass
@@ -104,9 +105,11 @@ def sm_share(device: torch.device, ep_group: EPGroup) -> int:
     return sms // P if isinstance(ep_group, LocalEPRank) else sms
 
 
+@functools.lru_cache(maxsize=256)
 def resolve_tunables(config: MoKConfig, shape: MoEShape, ep_size: int, num_sms: int) -> MoKConfig:
     """``config`` with its ``None`` tunables chosen (:meth:`MoKConfig.resolve`) for a launch of
-    ``num_sms`` CTAs, checked against the megakernel's rules.
+    ``num_sms`` CTAs, checked against the megakernel's rules. Cached: every layer of a model
+    asks the same question on every call.
 
     Raises:
         MoKConfigError: naming the tunable, its value and the rule.
