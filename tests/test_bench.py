@@ -23,6 +23,7 @@ from megatron_mok.bench.megatron_log import LogError, parse_log, summarize
 from megatron_mok.bench.routing import RouteCounts, RoutingError, RoutingSpec, count_routes, make_routing
 from megatron_mok.bench.shapes import SHAPES, ShapeError, make_case, resolve_shape
 from megatron_mok.bench.timing import slowest_rank_medians
+from megatron_mok.config import MoKConfig
 
 from .distributed import run_ranks
 
@@ -445,3 +446,48 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---- the tune command (its GPU run is in docs/megakernel.md) ---------------------------------
+
+def test_tune_candidates_parse_and_name_bad_input():
+    from megatron_mok.bench.tune import Candidate, default_candidates
+
+    assert Candidate.parse("16:2048:8192") == Candidate(16, 2048, 8192)
+    assert Candidate.parse("::") == Candidate(None, None, None)
+    assert Candidate.parse("12::") == Candidate(12, None, None)
+    with pytest.raises(ValueError, match="must be COMM:MINIBATCH:RING"):
+        Candidate.parse("16:2048")
+    with pytest.raises(ValueError, match="fields must be integers"):
+        Candidate.parse("a:b:c")
+    cands = default_candidates(1920)
+    assert [c.comm_sms for c in cands] == [12, 16, 24, 16]
+    assert all(c.ring_rows == 4 * c.minibatch_rows for c in cands)
+    assert cands[-1].minibatch_rows == 3840
+
+
+def test_tune_args_file_holds_the_winner_as_megatron_flags(tmp_path):
+    from megatron_mok.bench.tune import args_file_text
+
+    best = MoKConfig(comm_sms_forward=16, minibatch_rows=2048, ring_rows=8192)
+    text = args_file_text(best, ["Kimi-K2: 5.4 ms", "  comm 16: 5.4 ms"])
+    flags = [line for line in text.splitlines() if not line.startswith("#")]
+    assert flags == ["--mok-comm-sms-forward 16", "--mok-minibatch-rows 2048", "--mok-ring-rows 8192"]
+    assert "# Kimi-K2: 5.4 ms" in text
+    # The launcher's argument parser takes the flags (megatron_mok.megatron.arguments).
+    import argparse
+
+    from megatron_mok.megatron.arguments import add_mok_arguments
+    parser = add_mok_arguments(argparse.ArgumentParser())
+    ns = parser.parse_args(" ".join(flags).split())
+    assert (ns.mok_comm_sms_forward, ns.mok_minibatch_rows, ns.mok_ring_rows) == (16, 2048, 8192)
+
+
+def test_tune_without_a_gpu_says_so(capsys, monkeypatch):
+    from megatron_mok.bench import tune
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune.main(["--shape", "kimi-k2", "--experts-per-gpu", "6"]) == 2
+    assert "needs an sm_90 GPU" in capsys.readouterr().out
+    assert tune.main(["--candidates", "1:2"]) == 2
+    assert "must be COMM:MINIBATCH:RING" in capsys.readouterr().out

@@ -2,7 +2,8 @@
 
 * ``layer``: one MoE layer, every available backend side by side (start with torchrun);
 * ``e2e``: Megatron training steps with each token dispatcher (starts torchrun itself);
-* ``gemm``: the grouped-GEMM benchmark of :mod:`megatron_mok.bench.gemm`.
+* ``gemm``: the grouped-GEMM benchmark of :mod:`megatron_mok.bench.gemm`;
+* ``tune``: the megakernel's comm SMs, minibatch and ring for one shape, written as flags.
 
 Each writes a table to stdout and NAME.json, NAME.png and NAME.md to ``--out``.
 """
@@ -17,6 +18,7 @@ SUBCOMMANDS = {
     "layer": ("megatron_mok.bench.layer", "time one MoE layer with every available backend (under torchrun)"),
     "e2e": ("megatron_mok.bench.e2e", "compare dispatchers in Megatron training steps (runs torchrun itself)"),
     "gemm": ("megatron_mok.bench.gemm", "benchmark the grouped GEMM kernels"),
+    "tune": ("megatron_mok.bench.tune", "pick the megakernel's tunables for a shape (under torchrun)"),
 }
 
 
