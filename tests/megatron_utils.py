@@ -121,3 +121,92 @@ def moe_spec_layer(config):
 
     builder = get_gpt_layer_local_submodules(num_experts=config.num_moe_experts).mlp
     return builder(config=config, pg_collection=None, is_mtp_layer=False)
+
+
+class _CudaDeviceToCpu(torch.overrides.TorchFunctionMode):
+    """Tensors that Megatron's optimizer and schedules create with ``device="cuda"`` (literal
+    device strings, which ``cpu_compat``'s patches do not reach) are created on the CPU, and
+    ``Tensor.cuda()`` leaves CPU tensors where they are; ``Tensor.type()`` names CPU tensors as
+    their CUDA types (Megatron's mixed-precision optimizer accepts only ``torch.cuda.*Tensor``).
+    For the CPU training-loop tests only."""
+
+    @staticmethod
+    def _cpu(value):
+        if isinstance(value, str) and value.startswith("cuda"):
+            return "cpu"
+        if isinstance(value, torch.device) and value.type == "cuda":
+            return torch.device("cpu")
+        return value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if "device" in kwargs:
+            kwargs["device"] = self._cpu(kwargs["device"])
+        if func is torch.Tensor.to:
+            args = tuple(self._cpu(a) for a in args)
+        return func(*args, **kwargs)
+
+
+def megatron_train_steps(model, config, rank: int, iterations: int = 2, microbatches: int = 2,
+                         bf16: bool = True, overlap_grad_reduce: bool = True):
+    """``iterations`` training steps the way Megatron's ``train_step`` runs them (core 0.19.2):
+    ``Float16Module`` (with ``bf16``), Megatron's DistributedDataParallel (no distributed
+    optimizer), the optimizer from ``get_megatron_optimizer`` (Adam, fp32 main params),
+    ``forward_backward_no_pipelining`` over ``microbatches`` microbatches with
+    ``finalize_model_grads``, then ``optimizer.step()``.
+
+    ``config`` must be the model's config (``bf16=True`` with ``bf16``). Returns, per
+    iteration, the losses of the microbatches (after Megatron's loss function) and every
+    parameter's ``main_grad`` (keyed by the unwrapped model's parameter names), and at the
+    end the parameters' values (a copy)."""
+    with _CudaDeviceToCpu():
+        return _train_steps(model, config, rank, iterations, microbatches, bf16, overlap_grad_reduce)
+
+
+def _train_steps(model, config, rank, iterations, microbatches, bf16, overlap_grad_reduce):
+    from functools import partial
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+    from megatron.core.transformer.module import Float16Module
+
+    wrapped = Float16Module(config, model) if bf16 else model
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=False, overlap_grad_reduce=overlap_grad_reduce,
+                                               grad_reduce_in_fp32=True)
+    ddp = DistributedDataParallel(config, ddp_config, wrapped)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, bf16=bf16, use_distributed_optimizer=False, clip_grad=1.0),
+        [ddp])
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = ddp.no_sync if overlap_grad_reduce else None
+    config.finalize_model_grads_func = finalize_model_grads
+
+    def loss_func(labels, output):
+        loss = output.float().sum() / labels.numel()
+        return loss, {"loss": loss.detach()}
+
+    def forward_step(data_iterator, model):
+        tokens, position_ids, mask, labels = next(data_iterator)
+        return model(tokens, position_ids, mask, labels=labels), partial(loss_func, labels)
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    history = []
+    for iteration in range(iterations):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        data = iter([batch(rank, seed=100 * iteration + m) for m in range(microbatches)])
+        results = forward_backward_no_pipelining(
+            forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=microbatches,
+            seq_length=SEQ, micro_batch_size=BATCH)
+        losses = torch.stack([r["loss"] for r in results])
+        grads = {names[id(p)]: p.main_grad.detach().clone() for p in model.parameters() if p.requires_grad}
+        optimizer.step()
+        history.append((losses, grads))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return history, params

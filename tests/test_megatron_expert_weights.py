@@ -30,7 +30,9 @@ from megatron_mok.megatron.experts import (
     stacked,
 )
 from megatron_mok.megatron.routing import reverse_local_expert_ids
-from tests.megatron_utils import batch, build_gpt, loss_and_grads, megatron_ranks, moe_layers, tiny_config
+from tests.megatron_utils import (
+    batch, build_gpt, loss_and_grads, megatron_ranks, megatron_train_steps, moe_layers, tiny_config,
+)
 
 L, I, H, T, K = 4, 8, 16, 12, 2
 
@@ -93,8 +95,53 @@ def test_view_shares_storage_and_gradients_equal_torch_stack():
         assert torch.equal(p.grad, c.grad)
     # Each gradient is a slice of the stacked gradient (no copy), as with torch.stack.
     assert all(_storage_ptr(p.grad) == _storage_ptr(params[0].grad) for p in params)
-    with pytest.raises(RuntimeError):
-        stacked(params).mul_(2)  # the view aliases the parameters: no in-place writes through it
+    # An alias of the storage, not an autograd view (a view made in a custom Function breaks
+    # under version bumps; see test_alias_survives_ops_that_declare_their_inputs_mutated).
+    alias = stacked(params)
+    assert not alias._is_view() and alias._base is None and alias.data_ptr() == params[0].data_ptr()
+
+
+@torch.library.custom_op("mok_tests::reads_expert_weights", mutates_args="unknown")
+def _reads_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
+    """Reads the weights; declared like ``mok::megakernel_forward`` (``mutates_args="unknown"``),
+    so the dispatcher bumps the version counter of both arguments on every call."""
+    return fc1.sum() + fc2.sum()
+
+
+class _SavesWeightsLikeTheGpuBackends(torch.autograd.Function):
+    """Identity on x that, like ``_MegakernelMoE``, passes fc1/fc2 to an op declared
+    ``mutates_args="unknown"`` and then keeps them with ``ctx.save_for_backward``."""
+
+    @staticmethod
+    def forward(ctx, x, fc1, fc2):
+        _reads_expert_weights(fc1, fc2)
+        ctx.save_for_backward(fc1, fc2)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dx):
+        ctx.saved_tensors  # noqa: B018 (where GPU training failed before the fix)
+        return dx, None, None
+
+
+def test_alias_survives_ops_that_declare_their_inputs_mutated():
+    """The GPU failure in miniature: the stacked weights go through an op whose schema marks
+    them mutable (the version counter is bumped) and are then saved for backward."""
+    w1, w2 = _params(), _params(shape=(H, I), seed=1)
+    stack_parameter_storage(w1)
+    stack_parameter_storage(w2)
+    c1, c2 = [[torch.nn.Parameter(p.detach().clone()) for p in ws] for ws in (w1, w2)]
+    versions = [p._version for p in w1 + w2]
+    x = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for ws1, ws2, stack in ((w1, w2, stacked), (c1, c2, torch.stack)):
+        fc1, fc2 = stack(ws1), stack(ws2)
+        y = _SavesWeightsLikeTheGpuBackends.apply(x, fc1, fc2)
+        out = torch.einsum("th,lih->tli", y, fc1).sum() + torch.einsum("lhi,th->tli", fc2, y).square().sum()
+        out.backward()
+        grads.append([p.grad for p in ws1 + ws2])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert [p._version for p in w1 + w2] == versions  # the bump stays on the alias
 
 
 def test_weight_modified_in_place_between_forward_and_backward_raises():
@@ -439,3 +486,56 @@ def _ddp_layouts(rank, world):
 
 def test_megatron_ddp_layouts():
     megatron_ranks(_ddp_layouts, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron's training step sequence (the setting in which GPU training failed).
+
+
+def _megatron_training(rank, world):
+    """Two iterations of Megatron's training step (bf16 Float16Module, DDP without the
+    distributed optimizer, Megatron's optimizer, forward_backward_no_pipelining with two
+    microbatches, finalize_model_grads), zero-copy off and on. The expert weights reach the
+    reference backend through _SavesWeightsLikeTheGpuBackends, which treats them the way the
+    megakernel backend does (an op declared mutates_args="unknown", then save_for_backward);
+    with autograd views this raised in the first backward, as on the GPUs."""
+    import os
+
+    import megatron_mok
+    import megatron_mok.megatron.layer as layer_module
+
+    megatron_mok.register()
+    real = layer_module.mok_moe
+    results = {}
+    for zero_copy in ("0", "1"):
+        os.environ[ZERO_COPY_ENV] = zero_copy
+        config = tiny_config("mok", world, mok_settings=_settings(), bf16=True, params_dtype=torch.bfloat16)
+        model = build_gpt(config, seed=5)
+        layers = [m for _, m in moe_layers(model)]
+        calls = []
+
+        def gpu_like(x, topk_ids, topk_weights, fc1, fc2, **kwargs):
+            calls.append((fc1.data_ptr(), fc2.data_ptr()))
+            x = _SavesWeightsLikeTheGpuBackends.apply(x, fc1, fc2)
+            return real(x, topk_ids, topk_weights, fc1, fc2, **kwargs)
+
+        with mock.patch.object(layer_module, "mok_moe", gpu_like):
+            results[zero_copy] = megatron_train_steps(model, config, rank, iterations=2, microbatches=2)
+        # 2 iterations x 2 microbatches x every MoE layer; zero-copy passes the parameters'
+        # own memory (after Float16Module and DDP wrapped the model), the default a copy.
+        assert len(calls) == 4 * len(layers)
+        firsts = [(w1[0].data_ptr(), w2[0].data_ptr()) for w1, w2 in map(_expert_lists, layers)]
+        for i, ptrs in enumerate(calls):
+            assert (ptrs == firsts[i % len(layers)]) == (zero_copy == "1")
+    (want, want_params), (got, got_params) = results["0"], results["1"]
+    for (want_losses, want_grads), (got_losses, got_grads) in zip(want, got):
+        assert torch.equal(got_losses, want_losses)
+        assert got_grads.keys() == want_grads.keys()
+        for name, grad in want_grads.items():
+            assert torch.equal(got_grads[name], grad), name
+    assert all(torch.equal(got_params[name], value) for name, value in want_params.items())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_megatron_training_steps_with_zero_copy_equal_the_copy(world):
+    megatron_ranks(_megatron_training, world)

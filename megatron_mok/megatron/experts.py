@@ -11,10 +11,11 @@ tensor. :func:`stack_parameter_storage` (run when the MoK layer is built) moves 
 parameters into one contiguous [L, ...] buffer, each parameter's ``.data`` a view of its slice
 (same parameter objects: names, attributes, values unchanged). :func:`expert_layout` checks, on
 every forward and from pointers and strides only (no device work, no host sync), whether the
-parameters still lie that way, and :func:`stack_experts` then returns the [L, ...] tensor as a
-view of their storage (:class:`_StackedView`: no copy forward, each parameter's gradient a slice
-of the stacked gradient backward). Reverse order, as Megatron's distributed optimizer lays out
-``TEGroupedMLP`` weights, is a view too (the layer renumbers the experts to match). Any other
+parameters still lie that way, and :func:`stack_experts` then returns the [L, ...] tensor as an
+alias of their storage (:class:`_StackedView`: no copy forward, each parameter's gradient a
+slice of the stacked gradient backward; the alias is not an autograd view, see there why).
+Reverse order, as Megatron's distributed optimizer lays out ``TEGroupedMLP`` weights, is an
+alias too (the layer renumbers the experts to match). Any other
 layout (parameters given separate storage by code that replaces their ``.data``; Megatron's
 distributed optimizer interleaving ``SequentialMLP``'s fc1 and fc2) falls back to
 ``torch.stack``, one copy, which is correct in every layout.
@@ -115,11 +116,14 @@ def shared_expert_weights(shared, expert_ffn: int) -> Tuple[List[torch.Tensor], 
 
 
 ZERO_COPY_ENV = "MOK_ZERO_COPY_EXPERT_WEIGHTS"
-"""When "1", the layer passes views of the stacked expert parameters instead of a
-``torch.stack`` copy. Off by default: on two H200s, training the proxy DeepSeek-V3 with it
-failed in the first backward ("Output 0 of _StackedViewBackward is a view and its base or
-another view of its base has been modified inplace") although every CPU test passes;
-docs/megatron.md, "Known costs and limits"."""
+"""When "1", the layer passes aliases of the stacked expert parameters' storage instead of a
+``torch.stack`` copy. Off by default until a GPU run confirms the fix: on two H200s, training the
+proxy DeepSeek-V3 with the megakernel backend failed in the first backward ("Output 0 of
+_StackedViewBackward is a view and its base or another view of its base has been modified
+inplace"). Cause: the stacked tensor was an autograd view created in a custom Function, and
+``mok::megakernel_forward`` (``mutates_args="unknown"``) bumps the version of its weight
+arguments; fixed by returning a non-view alias (:class:`_StackedView`); docs/megatron.md,
+"Known costs and limits"."""
 
 
 def zero_copy_enabled() -> bool:
@@ -173,23 +177,45 @@ def expert_layout(weights: Sequence[torch.Tensor]) -> Optional[str]:
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-class _StackedView(torch.autograd.Function):
-    """[L, ...] view of L weights that are stacked in storage (:data:`FORWARD` layout).
+def _alias(first: torch.Tensor, n: int) -> torch.Tensor:
+    """The [n, *first.shape] tensor over ``first``'s storage that starts at ``first``: the memory
+    of ``first.as_strided((n, ...))``, but a new tensor rather than a view (``set_`` on an empty
+    tensor): no view metadata, its own version counter. No copy, no device work."""
+    out = torch.empty((0,), dtype=first.dtype, device=first.device)
+    out.set_(first.untyped_storage(), first.storage_offset(), (n, *first.shape),
+             (first.numel(), *first.stride()))
+    return out
 
-    Forward: ``as_strided`` over the first weight's storage, no copy. The result is a view of
-    the first weight; autograd forbids modifying it in place. Backward: weight i's gradient is
-    slice i of the stacked gradient (a view, no copy), as ``torch.stack``'s backward gives.
-    The weights are saved for backward only for autograd's version check: a weight modified in
-    place between forward and backward (which ``mok_moe`` read through the view) raises the
-    usual "modified by an inplace operation" error instead of giving silently wrong gradients.
+
+class _StackedView(torch.autograd.Function):
+    """[L, ...] alias of L weights that are stacked in storage (:data:`FORWARD` layout).
+
+    Forward: a tensor over the first weight's storage spanning all L weights, no copy. It is
+    deliberately NOT a view in autograd's eyes (:func:`_alias`), and has a version counter of
+    its own, exactly like the ``torch.stack`` result it replaces. A view returned from a custom
+    Function shares its base's version counter and carries ``CreationMeta.IN_CUSTOM_FUNCTION``;
+    any later bump of that counter makes every access to the view's ``grad_fn`` (e.g. unpacking
+    it from another Function's ``ctx.saved_tensors``) raise "Output 0 of _StackedViewBackward is
+    a view and its base ... has been modified inplace". The megakernel backend bumps it on every
+    forward: ``mok::megakernel_forward`` is declared ``mutates_args="unknown"``, so the
+    dispatcher's ADInplaceOrView kernel increments the version of every tensor argument, fc1
+    and fc2 included, before ``_MegakernelMoE`` saves them (that was the first-backward failure
+    of GPU training). With its own counter the alias behaves like the copy: such a bump happens
+    before any consumer saves the tensor, and never reaches the parameters.
+
+    Backward: weight i's gradient is slice i of the stacked gradient (a view, no copy), as
+    ``torch.stack``'s backward gives. The weights are saved for backward only for autograd's
+    version check: a weight modified in place (autograd-visibly) between forward and backward,
+    which ``mok_moe`` read through the alias, raises the usual "modified by an inplace
+    operation" error instead of giving silently wrong gradients. Writes through the alias itself
+    are not tracked on the weights (as with any ``set_``/``data_ptr`` alias); ``mok_moe``
+    backends only read their weights.
     """
 
     @staticmethod
     def forward(ctx, *weights):
         ctx.save_for_backward(*weights)
-        first = weights[0]
-        return first.as_strided((len(weights), *first.shape), (first.numel(), *first.stride()),
-                                first.storage_offset())
+        return _alias(weights[0], len(weights))
 
     @staticmethod
     def backward(ctx, grad):
