@@ -409,7 +409,7 @@ def _conversions(rank, world):
     assert [expert_layout(ws) for ws in _expert_lists(layer)] == [FORWARD, FORWARD]
 
 
-def _default_copies(rank, world):
+def _copies_when_off(rank, world):
     import megatron_mok
 
     assert not zero_copy_enabled()
@@ -426,7 +426,7 @@ def _default_copies(rank, world):
 
 def test_zero_copy_is_off_by_default_and_the_layer_copies(monkeypatch):
     monkeypatch.delenv(ZERO_COPY_ENV, raising=False)
-    megatron_ranks(_default_copies, 1)
+    megatron_ranks(_copies_when_off, 1)
 
 
 def test_dtype_conversion_restacks_the_expert_parameters():

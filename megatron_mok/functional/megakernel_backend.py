@@ -69,9 +69,9 @@ def auto_prefers_cuda(shape: MoEShape, needs_grad: bool) -> Optional[str]:
     """Why ``auto`` should run this call on the ``cuda`` backend although the megakernel takes
     it, or None to take the megakernel."""
     if needs_grad:
-        return ("the call needs a backward, and the megakernel keeps no activations (its backward "
-                "re-pulls the rows and recomputes fc1; measured slower in total than the cuda backend, "
-                "docs/perf-notes.md); --mok-backend megakernel forces it")
+        return ("the call needs a backward, and the megakernel's forward with the activations the "
+                "backward reads was measured 2-8% slower than the cuda backend's (docs/perf-notes.md); "
+                "--mok-backend megakernel forces it")
     rows = shape.tokens * shape.topk / max(shape.experts_per_rank, 1)
     if rows < AUTO_MIN_ROWS_PER_EXPERT:
         return (f"about {rows:.0f} routed rows per local expert, below {AUTO_MIN_ROWS_PER_EXPERT}, where the "

@@ -44,7 +44,8 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "GPUs, else the pure-PyTorch reference (any device, slow).")
     group.add_argument("--mok-comm-sms", type=int, default=None,
                        help="SMs that only move data, forward and backward (default: from the "
-                            "device; 8 on H200 when EP > 1). Overridden by the two flags below.")
+                            "device: 16, at most a quarter of the SMs; `python -m megatron_mok.bench "
+                            "tune` measures a shape). Overridden by the two flags below.")
     group.add_argument("--mok-comm-sms-forward", type=int, default=None,
                        help="Comm SMs of the forward kernels.")
     group.add_argument("--mok-comm-sms-backward", type=int, default=None,
