@@ -142,8 +142,7 @@ class MoKConfig:
         Heuristic (documented in docs/architecture.md):
 
         * comm SMs: 16 (8 pulling, 8 pushing), at most a quarter of the SMs. Measured on two
-          H200s (docs/perf-notes.md): a comm SM moves ~25 GB/s of rows (its copy rate is bound
-          by its loads in flight), and 8 + 8 keep the pulls ahead of the GEMMs at every shape
+          H200s (docs/perf-notes.md): a comm SM moves ~25 GB/s of rows, and 8 + 8 keep the pulls ahead of the GEMMs at every shape
           tried; the same rows move at P = 1 (local copies), so the default does not depend on P.
         * minibatch: the smallest multiple of ``tile_rows`` whose fc1 (N = 2 * ffn_hidden) and
           fc2 (N = hidden) tile grids, in tiles of ``tile_rows`` x 256, each give every compute
