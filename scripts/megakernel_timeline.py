@@ -19,7 +19,7 @@ import argparse
 import os
 import statistics
 import time
-from typing import Dict, List, Optional
+from typing import List
 
 os.environ["MOK_MEGAKERNEL_TRACE"] = "1"
 
@@ -28,16 +28,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_mok import MoKConfig  # noqa: E402
+from megatron_mok.bench.tune import Candidate  # noqa: E402
 from megatron_mok.functional import check_errors, megakernel_backend, mok_moe  # noqa: E402
 
 KINDS = {1: "fc1", 2: "fc2", 3: "pull", 4: "push"}
-
-
-def parse_setting(text: str) -> Dict[str, Optional[int]]:
-    """'16:4096:8192' -> comm_sms_forward, minibatch_rows, ring_rows (empty fields: None)."""
-    parts = (text.split(":") + ["", "", ""])[:3]
-    vals = [int(v) if v else None for v in parts]
-    return dict(comm_sms_forward=vals[0], minibatch_rows=vals[1], ring_rows=vals[2])
 
 
 def decode(records: np.ndarray):
@@ -180,7 +174,7 @@ def main() -> None:
     group = dist.group.WORLD if distributed else None
     flop = 6 * T * K * H * I
     for text in args.settings:
-        cfg = MoKConfig(**parse_setting(text))
+        cfg = Candidate.parse(text).config(MoKConfig())
 
         def call():
             return mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg, backend="megakernel")
