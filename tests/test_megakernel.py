@@ -19,6 +19,7 @@ import ctypes
 import dataclasses
 import gc
 import logging
+import os
 import random
 import re
 import time
@@ -45,8 +46,8 @@ MOK_ERR_INVALID_ARGUMENT = -1
 @pytest.mark.parametrize("shape,needs_grad,message", [
     (MoEShape(4096, 7168, 8, 6, 2048), False, None),
     (MoEShape(4096, 7168, 8, 6, 2048), True, "the call needs a backward"),
-    (MoEShape(4096, 7168, 8, 192, 2048), False, "about 171 routed rows per local expert, below 1024"),
-    (MoEShape(4096, 7168, 8, 32, 2048), False, None),  # exactly 1024 rows per expert
+    (MoEShape(4096, 7168, 8, 192, 2048), False, "about 171 routed rows per local expert, below 256"),
+    (MoEShape(4096, 7168, 8, 128, 2048), False, None),  # exactly 256 rows per expert
 ])
 def test_auto_prefers_cuda_for_backwards_and_few_rows_per_expert(shape, needs_grad, message):
     reason = mkb.auto_prefers_cuda(shape, needs_grad)
@@ -104,9 +105,9 @@ def test_selection_auto_logs_one_line_when_it_takes_cuda(monkeypatch, caplog):
 
 def test_tunables_resolve_within_the_rules():
     cfg = mkb.resolve_tunables(MoKConfig(), KIMI, 2, 132)
-    assert cfg.comm_sms_forward == 16 and cfg.minibatch_rows % 128 == 0 and cfg.ring_rows == 4 * cfg.minibatch_rows
+    assert cfg.comm_sms_forward == 12 and cfg.minibatch_rows % 128 == 0 and cfg.ring_rows == 4 * cfg.minibatch_rows
     one = mkb.resolve_tunables(MoKConfig(), KIMI, 1, 132)
-    assert one.comm_sms_forward == 16  # the same rows move at P = 1 (local copies)
+    assert one.comm_sms_forward == 12  # the same rows move at P = 1 (local copies)
     # A virtual rank's share of the SMs (LocalEPGroup of 4 on 132 SMs).
     share = mkb.resolve_tunables(MoKConfig(), KIMI, 4, 33)
     assert share.comm_sms_forward == 8 and share.minibatch_rows >= 128
@@ -564,12 +565,14 @@ def test_megakernel_one_hot_expert_through_a_small_ring():
     _check_against_oracle(case2, _run(case2, group.ranks, config, group.streams), "hot expert, 2 virtual ranks")
 
 
+COPIES_ENV = "MOK_MEGAKERNEL_COPIES"
+"""Set to "registers", the comm CTAs copy rows through registers instead of TMA bulk copies."""
 SETTINGS = [(2, 128, 256), (2, 256, 1024), (4, 512, 1024), (3, 384, 1536), (None, None, None)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("virtual", [False, True], ids=["P1", "P2-virtual"])
-def test_megakernel_is_bitwise_identical_across_settings(virtual):
+def test_megakernel_is_bitwise_identical_across_settings(virtual, monkeypatch):
     from .gpu_cases import gpu_case
 
     tokens = [2500, 1800] if virtual else [3000]
@@ -581,8 +584,13 @@ def test_megakernel_is_bitwise_identical_across_settings(virtual):
                            max_tokens_per_rank=max(tokens))
         groups = group.ranks if virtual else [None]
         results.append(_run(case, groups, config, group.streams if virtual else None))
+    # The comm CTAs' register copies instead of TMA bulk copies: the same bits.
+    monkeypatch.setenv(COPIES_ENV, "registers")
+    config = MoKConfig(comm_sms_forward=3, minibatch_rows=256, ring_rows=512, timeout_s=20.0,
+                       max_tokens_per_rank=max(tokens))
+    results.append(_run(case, group.ranks if virtual else [None], config, group.streams if virtual else None))
     _check_against_oracle(case, results[0], f"settings {SETTINGS[0]}")
-    for setting, res in zip(SETTINGS[1:], results[1:]):
+    for setting, res in zip(SETTINGS[1:] + ["register copies"], results[1:]):
         _assert_equal_runs(results[0], res, f"settings {SETTINGS[0]} vs {setting}")
 
 
@@ -645,7 +653,10 @@ def _p2_worker(rank, world, specs):
         case = gpu_case(seed, tokens, H, I, L, K, routing)
         leaves = _leaves(case, rank)
         runs = []
-        for config in P2_SETTINGS + P2_SETTINGS[:1]:
+        for n, config in enumerate(P2_SETTINGS + P2_SETTINGS[:2]):
+            # The last run repeats the second setting with register copies (the same bits).
+            if n == len(P2_SETTINGS) + 1:
+                os.environ[COPIES_ENV] = "registers"
             config = MoKConfig(max_tokens_per_rank=4096, timeout_s=20.0, comm_sms_forward=config.comm_sms_forward,
                                minibatch_rows=config.minibatch_rows, ring_rows=config.ring_rows)
             x, w, fc1, fc2 = (t.detach().clone().requires_grad_() for t in leaves)
@@ -654,6 +665,7 @@ def _p2_worker(rank, world, specs):
             torch.cuda.synchronize()
             check_errors()
             runs.append((y.detach(), x.grad, w.grad, fc1.grad, fc2.grad))
+            os.environ.pop(COPIES_ENV, None)
         from .gpu_cases import TOL
 
         ys, dxs, dws, d1, d2 = oracle(case)

@@ -21,6 +21,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "mok/cuda_check.cuh"
 #include "mok/gemm/host.cuh"
@@ -52,10 +54,12 @@ struct KernelParams {
   int P, rank, L, T, E;
   int comm_ctas;
   int mb_blocks, slots, n1, n2;
+  int bulk_copies;  // 1: comm CTAs move rows with TMA bulk copies; 0: through registers
 };
 
 // Shared memory after the stage ring (whose plan is Fc1Cfg::kSmemBytes, alignment included).
 struct CtaShared {
+  uint64_t copy_bars[kCopyWarps * kCopyStages];  // comm CTAs' bulk-copy mbarriers
   StageRecord records[g::kMaxStages];
   Item comm_item;
   SumShared sum;
@@ -66,6 +70,9 @@ struct CtaShared {
 constexpr int kSmemBytes = Fc1Cfg::kSmemBytes + (int)sizeof(CtaShared);
 static_assert(Fc1Cfg::kSmemBytes % alignof(CtaShared) == 0, "CtaShared alignment");
 static_assert(kSmemBytes <= g::kSmemLimit, "shared memory budget");
+static_assert(g::kThreads / 32 == kCopyWarps, "every warp of a comm CTA has a copy pipe");
+static_assert(kCopyWarps * kCopyWarpBytes <= Fc1Cfg::kStages * Fc1Cfg::kStageBytes,
+              "the comm CTAs' copy chunks fit the GEMM stage area");
 
 __device__ __forceinline__ Deadline deadline_of(const KernelParams& p) {
   return Deadline{p.status, p.timeout_ns, p.rank};
@@ -74,13 +81,21 @@ __device__ __forceinline__ Deadline deadline_of(const KernelParams& p) {
 // All threads of a comm CTA serving the pull or the push queue. Thread 0 takes the next item
 // and waits for its input; the 12 warps copy the block's rows; thread 0 releases the block's
 // counter.
-__device__ __forceinline__ void comm_cta(const KernelParams& p, const Plan& plan, CtaShared& sh, int queue) {
+__device__ __forceinline__ void comm_cta(const KernelParams& p, const Plan& plan, CtaShared& sh, uint8_t* stage_area,
+                                         int queue) {
   const Deadline d = deadline_of(p);
   const int total = queue_items(plan, queue);
   const int64_t trace_base = compute_items(plan) + (queue == kPushQueue ? plan.n_blocks : 0);
   int32_t* next = &p.counters[queue == kPullQueue ? kPullNext : kPushNext];
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32, lane = threadIdx.x % 32;
   int64_t record = -1;
+  CopyPipe pipe{stage_area + warp * kCopyWarpBytes, &sh.copy_bars[warp * kCopyStages], 0};
+  CopyPipe* bulk = p.bulk_copies ? &pipe : nullptr;
+  if (bulk != nullptr && threadIdx.x == 0) {
+    for (int b = 0; b < kCopyWarps * kCopyStages; ++b) g::mbar_init(&sh.copy_bars[b], 1);
+    g::mbar_fence_init();
+  }
+  __syncthreads();
   for (;;) {
     if (threadIdx.x == 0) {
       Item it;
@@ -107,10 +122,10 @@ __device__ __forceinline__ void comm_cta(const KernelParams& p, const Plan& plan
     if (it.kind == kEnd) break;
     const int slot = it.block % plan.slots;
     if (it.kind == kPull) {
-      pull_block(p.rows, it.block, slot, warp, warps, lane);
+      pull_block(p.rows, it.block, slot, warp, warps, lane, bulk);
       fence_proxy_async_global();  // fc1 reads these rows with TMA
     } else {
-      push_block(p.rows, it.block, slot, warp, warps, lane);
+      push_block(p.rows, it.block, slot, warp, warps, lane, bulk);
     }
     __syncthreads();  // every row of the block written (pull) or read and sent (push)
     if (threadIdx.x == 0) {
@@ -120,7 +135,12 @@ __device__ __forceinline__ void comm_cta(const KernelParams& p, const Plan& plan
     }
   }
   // This CTA's pushes, to every rank, before the combine-done flags: a system-scope fence in
-  // every thread that stored, then the CTA barrier, then the arrival (acq_rel, cumulative).
+  // every thread that stored (after its bulk stores completed), then the CTA barrier, then the
+  // arrival (acq_rel, cumulative).
+  if (bulk != nullptr && lane == 0) {
+    g::bulk_wait();
+    fence_proxy_async_global();
+  }
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -160,7 +180,7 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     p.trace.put(cta_record, kTrCta, blockIdx.x);
   }
   if (sh.ticket < p.comm_ctas) {
-    comm_cta(p, plan, sh, sh.ticket < pull_ctas(p.comm_ctas) ? kPullQueue : kPushQueue);
+    comm_cta(p, plan, sh, ring1.a(0), sh.ticket < pull_ctas(p.comm_ctas) ? kPullQueue : kPushQueue);
     if (threadIdx.x == 0) p.trace.stamp(cta_record, kTrReady);
     if (wg == 0) return;
   } else {
@@ -195,6 +215,13 @@ __global__ void reset_kernel(int32_t* counters, int64_t words, uint64_t* epoch_c
   }
 }
 static_assert(kEpochLo == 0 && kComputeNext == 2, "the epoch takes words 0-1, the rest is reset");
+
+// MOK_MEGAKERNEL_COPIES=registers moves rows through registers instead of TMA bulk copies
+// (for comparison; the results are bitwise the same).
+bool bulk_copies_enabled() {
+  const char* v = std::getenv("MOK_MEGAKERNEL_COPIES");
+  return v == nullptr || std::strcmp(v, "registers") != 0;
+}
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
@@ -319,6 +346,7 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.slots = slots;
   p.n1 = (int)(a.I / kFc1Cols);
   p.n2 = (int)(a.H / kFc2Cols);
+  p.bulk_copies = bulk_copies_enabled() ? 1 : 0;
 
   // One CTA per SM, every CTA resident: the grid comes from the occupancy query, never from
   // the work (a fixed share of the SMs when the caller asks for fewer).

@@ -2,37 +2,45 @@
 // their router weights) from their source ranks into a ring slot, a push copies a block's
 // output rows from the ring into their home ranks' (token, slot) rows.
 //
-// One warp per row, 16-byte vectors, kCopyUnroll loads in flight per lane (86 KB per CTA of
-// 384 threads) to cover the NVLink latency. Measured on H200s, a comm CTA moves 45-50 GB/s
-// (read + write) with 8 or 14 loads in flight alike, so loads in flight are not what bounds it
-// (not profiled yet; TMA bulk copies are the next thing to try). Loads bypass L1
-// (ld.global.cg): ring rows are rewritten by other SMs within the launch, and a line cached in
-// this SM's L1 from the slot's previous generation must never be read.
+// Two ways to move a row, chosen per launch (KernelParams::bulk_copies):
+//
+// - Bulk (the default): each warp streams its rows through a private ring of kCopyStages
+//   shared-memory chunks of kCopyChunkBytes. Lane 0 issues TMA bulk copies: global -> shared
+//   (cp.async.bulk, completion counted in bytes on the stage's mbarrier), then shared ->
+//   global (cp.async.bulk bulk_group; a pull stores the chunk twice when the training copy is
+//   on). kCopyStages - 1 loads stay in flight per warp while the oldest chunk is stored, so a
+//   comm CTA keeps ~144 KB in flight without holding any of it in registers, and the row
+//   addresses are read once per block by the warp's lanes (no dependent table read per row).
+// - Registers: one warp per row, 16-byte vectors, kCopyUnroll loads in flight per lane
+//   (~86 KB per CTA). Measured on H200s at 45-50 GB/s (read + write) per comm CTA, with 8 or
+//   14 loads in flight alike. Kept for comparison (MOK_MEGAKERNEL_COPIES=registers).
+//
+// Memory ordering. Ring rows are rewritten by other SMs during the launch: register loads
+// bypass L1 (ld.global.cg), bulk loads never touch it. Rows that TMA reads after generic
+// stores (fc2's output rows read by a push) and rows generic code or TMA reads after bulk
+// stores (a pull's rows, read by fc1's TMA) are ordered by fence.proxy.async.global on both
+// sides of the counter hand-over; bulk stores are waited for (cp.async.bulk.wait_group 0)
+// before the hand-over that publishes them.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "mok/gemm/ptx.cuh"
 #include "mok/megakernel/plan.cuh"
+#include "mok/megakernel/sync.cuh"
 
 namespace mok {
 namespace mega {
 
 constexpr int kCopyUnroll = 14;  // H = 7168: 896 vectors = two rounds of 14 per lane
 
-__device__ __forceinline__ void copy_row_cg(const uint4* __restrict__ src, uint4* __restrict__ dst,
-                                            int vecs, int lane) {
-  for (int v0 = lane; v0 < vecs; v0 += 32 * kCopyUnroll) {
-    uint4 r[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u)
-      if (v0 + 32 * u < vecs) r[u] = __ldcg(src + v0 + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u)
-      if (v0 + 32 * u < vecs) dst[v0 + 32 * u] = r[u];
-  }
-}
+// Bulk copies: per-warp shared-memory ring (comm CTAs reuse the GEMM stage area).
+constexpr int kCopyWarps = 12;
+constexpr int kCopyStages = 4;
+constexpr int kCopyChunkBytes = 4096;
+constexpr int kCopyWarpBytes = kCopyStages * kCopyChunkBytes;
 
 // Where the rows of the symmetric workspace and of the ring are.
 struct RowSpaces {
@@ -49,9 +57,40 @@ struct RowSpaces {
   int vecs;                 // H / 8
 };
 
-// The same row into two places (the ring slot and the training copy).
-__device__ __forceinline__ void copy_row_cg2(const uint4* __restrict__ src, uint4* __restrict__ dst,
-                                             uint4* __restrict__ dst2, int vecs, int lane) {
+// One warp's bulk-copy pipeline: its shared-memory chunks, their mbarriers (count 1), and how
+// many chunks it has loaded so far (chunk g uses stage g % kCopyStages, phase (g / S) & 1).
+struct CopyPipe {
+  uint8_t* chunks;   // kCopyStages * kCopyChunkBytes bytes
+  uint64_t* bars;    // kCopyStages mbarriers
+  uint32_t loaded;
+};
+
+// ---- PTX: bulk copies ------------------------------------------------------------------------
+
+__device__ __forceinline__ void bulk_load(void* dst_smem, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          gemm::smem_addr(dst_smem)),
+      "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(gemm::smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_store(void* dst, const void* src_smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(reinterpret_cast<uint64_t>(dst)),
+               "r"(gemm::smem_addr(src_smem)), "r"(bytes)
+               : "memory");
+}
+
+// Waits until all but the newest bulk group of this thread have read their shared memory.
+__device__ __forceinline__ void bulk_wait_read_all_but_newest() {
+  asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+}
+
+// ---- register copies -------------------------------------------------------------------------
+
+// One row (vecs 16-byte vectors) into dst, and into dst2 unless it is null.
+__device__ __forceinline__ void copy_row_cg(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                            uint4* __restrict__ dst2, int vecs, int lane) {
   for (int v0 = lane; v0 < vecs; v0 += 32 * kCopyUnroll) {
     uint4 r[kCopyUnroll];
 #pragma unroll
@@ -61,18 +100,125 @@ __device__ __forceinline__ void copy_row_cg2(const uint4* __restrict__ src, uint
     for (int u = 0; u < kCopyUnroll; ++u)
       if (v0 + 32 * u < vecs) {
         dst[v0 + 32 * u] = r[u];
-        dst2[v0 + 32 * u] = r[u];
+        if (dst2 != nullptr) dst2[v0 + 32 * u] = r[u];
       }
   }
 }
+
+// ---- bulk row streams ------------------------------------------------------------------------
+
+// Copies the rows the warp's lanes describe (lane k: src, dst, dst2 (may be null), `valid`),
+// each row_bytes long, cut into chunks of kCopyChunkBytes, through the warp's pipe. All lanes
+// call it (the loop is warp-uniform); lane 0 issues the copies. On return every chunk has been
+// loaded and its stores issued, and the stores have read their shared memory; they are
+// complete too when `complete`.
+__device__ __forceinline__ void stream_rows(CopyPipe& pipe, const char* src, char* dst, char* dst2, bool valid,
+                                            int row_bytes, bool complete, int lane) {
+  const uint32_t mask = __ballot_sync(~0u, valid);
+  const int order = __popc(mask & ((1u << lane) - 1u));  // this lane's place among the valid rows
+  const int pieces = (row_bytes + kCopyChunkBytes - 1) / kCopyChunkBytes;
+  const int n = __popc(mask) * pieces;
+  if (lane == 0) fence_proxy_async_global();  // after the item's acquire, before bulk accesses
+
+  struct Chunk {
+    const char* src;
+    char* dst;
+    char* dst2;
+    uint32_t bytes;
+  };
+  auto chunk = [&](int j) {  // warp-uniform: every lane calls it with the same j
+    const int q = j / pieces, piece = j % pieces;
+    const int owner = __ffs(__ballot_sync(~0u, valid && order == q)) - 1;
+    const int64_t off = (int64_t)piece * kCopyChunkBytes;
+    Chunk c;
+    c.src = reinterpret_cast<const char*>(__shfl_sync(~0u, reinterpret_cast<uint64_t>(src), owner)) + off;
+    c.dst = reinterpret_cast<char*>(__shfl_sync(~0u, reinterpret_cast<uint64_t>(dst), owner)) + off;
+    const uint64_t d2 = __shfl_sync(~0u, reinterpret_cast<uint64_t>(dst2), owner);
+    c.dst2 = d2 ? reinterpret_cast<char*>(d2) + off : nullptr;
+    c.bytes = (uint32_t)min((int64_t)kCopyChunkBytes, (int64_t)row_bytes - off);
+    return c;
+  };
+  auto issue_load = [&](int j) {
+    const Chunk c = chunk(j);
+    if (lane == 0) {
+      const uint32_t g = pipe.loaded + j;
+      uint64_t* bar = &pipe.bars[g % kCopyStages];
+      gemm::mbar_arrive_expect_tx(bar, c.bytes);
+      bulk_load(pipe.chunks + (g % kCopyStages) * kCopyChunkBytes, c.src, c.bytes, bar);
+    }
+  };
+
+  for (int j = 0; j < kCopyStages - 1 && j < n; ++j) issue_load(j);
+  for (int j = 0; j < n; ++j) {
+    const Chunk c = chunk(j);
+    if (lane == 0) {
+      const uint32_t g = pipe.loaded + j;
+      const int stage = g % kCopyStages;
+      gemm::mbar_wait(&pipe.bars[stage], (g / kCopyStages) & 1u);
+      uint8_t* data = pipe.chunks + stage * kCopyChunkBytes;
+      bulk_store(c.dst, data, c.bytes);
+      if (c.dst2 != nullptr) bulk_store(c.dst2, data, c.bytes);
+      gemm::bulk_commit();
+      // The stage chunk j + S - 1 reuses is chunk j - 1's: its stores must have read it.
+      if (j + kCopyStages - 1 < n) bulk_wait_read_all_but_newest();
+    }
+    if (j + kCopyStages - 1 < n) issue_load(j + kCopyStages - 1);
+  }
+  pipe.loaded += n;
+  if (lane == 0) {
+    if (complete) {
+      gemm::bulk_wait();
+      fence_proxy_async_global();  // TMA and generic readers after the hand-over
+    } else {
+      gemm::bulk_wait_read();  // the stages are free for the next item
+    }
+  }
+  __syncwarp();
+}
+
+// ---- pull and push ---------------------------------------------------------------------------
 
 // Block b into its slot: rows and router weights. Padding rows are not written into the ring:
 // a GEMM output row depends only on its own input row, the SwiGLU epilogue stores zeros for
 // padding rows and nothing pushes them. With the training copy (save_x, save_w), the rows and
 // weights go there too, at their layout rows, and padding rows there are zeroed (the backward's
 // weight gradients sum over them). Warps `warp` of `warps` take rows warp, warp + warps, ...
+// With `pipe` (bulk copies) the rows are complete in global memory on return.
 __device__ __forceinline__ void pull_block(const RowSpaces& rs, int block, int slot, int warp, int warps,
-                                           int lane) {
+                                           int lane, CopyPipe* pipe) {
+  if (pipe != nullptr) {
+    // Lane k describes the warp's k-th row (warps >= 4, so at most 32 rows per warp).
+    const int r = warp + lane * warps;
+    const int64_t i = (int64_t)block * kBlockRows + r;
+    const bool in_block = r < kBlockRows;
+    const int s = in_block ? rs.table[2 * i] : -1;
+    const int route = in_block ? rs.table[2 * i + 1] : 0;
+    const int64_t row_bytes = (int64_t)rs.vecs * 16;
+    const int64_t ring_row = (int64_t)slot * kBlockRows + r;
+    const char* src = nullptr;
+    if (s >= 0) {
+      const char* base = reinterpret_cast<const char*>(rs.bases[s]);
+      src = base + rs.rows_offset + (int64_t)(route / rs.K) * row_bytes;
+      const float w = __ldcg(reinterpret_cast<const float*>(base + rs.scalars_offset) + route);
+      rs.ring_w[ring_row] = w;
+      if (rs.save_w != nullptr) rs.save_w[i] = w;
+    } else if (in_block && rs.save_w != nullptr) {
+      rs.save_w[i] = 0.f;
+    }
+    char* dst = reinterpret_cast<char*>(rs.ring_x) + ring_row * row_bytes;
+    char* dst2 = rs.save_x != nullptr ? reinterpret_cast<char*>(rs.save_x) + i * row_bytes : nullptr;
+    stream_rows(*pipe, src, dst, dst2, s >= 0, (int)row_bytes, /*complete=*/true, lane);
+    if (rs.save_x != nullptr) {  // padding rows of the training copy: zeros
+      uint32_t padding = __ballot_sync(~0u, in_block && s < 0);
+      while (padding) {
+        const int k = __ffs(padding) - 1;
+        padding &= padding - 1;
+        uint4* z = rs.save_x + ((int64_t)block * kBlockRows + warp + k * warps) * rs.vecs;
+        for (int v = lane; v < rs.vecs; v += 32) z[v] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    return;
+  }
   for (int r = warp; r < kBlockRows; r += warps) {
     const int64_t i = (int64_t)block * kBlockRows + r;
     const int s = rs.table[2 * i];
@@ -86,13 +232,10 @@ __device__ __forceinline__ void pull_block(const RowSpaces& rs, int block, int s
       continue;
     }
     const int64_t ring_row = (int64_t)slot * kBlockRows + r;
-    uint4* dst = rs.ring_x + ring_row * rs.vecs;
     const char* base = reinterpret_cast<const char*>(rs.bases[s]);
     const uint4* src = reinterpret_cast<const uint4*>(base + rs.rows_offset) + (int64_t)(route / rs.K) * rs.vecs;
-    if (rs.save_x != nullptr)
-      copy_row_cg2(src, dst, rs.save_x + i * rs.vecs, rs.vecs, lane);
-    else
-      copy_row_cg(src, dst, rs.vecs, lane);
+    copy_row_cg(src, rs.ring_x + ring_row * rs.vecs, rs.save_x != nullptr ? rs.save_x + i * rs.vecs : nullptr,
+                rs.vecs, lane);
     if (lane == 0) {
       const float w = __ldcg(reinterpret_cast<const float*>(base + rs.scalars_offset) + route);
       rs.ring_w[ring_row] = w;
@@ -101,9 +244,24 @@ __device__ __forceinline__ void pull_block(const RowSpaces& rs, int block, int s
   }
 }
 
-// Block b's output rows (in its slot) to their (token, slot) on their home ranks.
+// Block b's output rows (in its slot) to their (token, slot) on their home ranks. With `pipe`
+// the stores have left shared memory on return but may still be in flight: the comm CTA waits
+// for them (cp.async.bulk.wait_group 0) before its combine-done arrival.
 __device__ __forceinline__ void push_block(const RowSpaces& rs, int block, int slot, int warp, int warps,
-                                           int lane) {
+                                           int lane, CopyPipe* pipe) {
+  if (pipe != nullptr) {
+    const int r = warp + lane * warps;
+    const int64_t i = (int64_t)block * kBlockRows + r;
+    const bool in_block = r < kBlockRows;
+    const int s = in_block ? rs.table[2 * i] : -1;
+    const int route = in_block ? rs.table[2 * i + 1] : 0;
+    const int64_t row_bytes = (int64_t)rs.vecs * 16;
+    const char* src = reinterpret_cast<const char*>(rs.ring_x) + ((int64_t)slot * kBlockRows + r) * row_bytes;
+    char* dst = s >= 0 ? reinterpret_cast<char*>(rs.bases[s]) + rs.slots_offset + (int64_t)route * row_bytes
+                       : nullptr;
+    stream_rows(*pipe, src, dst, nullptr, s >= 0, (int)row_bytes, /*complete=*/false, lane);
+    return;
+  }
   for (int r = warp; r < kBlockRows; r += warps) {
     const int64_t i = (int64_t)block * kBlockRows + r;
     const int s = rs.table[2 * i];
@@ -112,7 +270,7 @@ __device__ __forceinline__ void push_block(const RowSpaces& rs, int block, int s
     const uint4* src = rs.ring_x + ((int64_t)slot * kBlockRows + r) * rs.vecs;
     char* base = reinterpret_cast<char*>(rs.bases[s]);
     uint4* dst = reinterpret_cast<uint4*>(base + rs.slots_offset) + (int64_t)route * rs.vecs;
-    copy_row_cg(src, dst, rs.vecs, lane);
+    copy_row_cg(src, dst, nullptr, rs.vecs, lane);
   }
 }
 

@@ -228,6 +228,7 @@ __device__ __forceinline__ void consume_tiles(const TileOperands& ops, const Pla
       } else {
         gemm::mma_row_tile<Fc2Cfg>(ops.fc2, cw, 0, ring2, st, acc);
         gemm::StoreEpilogue::apply<Fc2Cfg::WGN>(ops.store, t, cw, 0, Fc2Cfg::BN, acc, nullptr, cw);
+        fence_proxy_async_global();  // the push may read these rows with bulk copies
       }
       counter = cx.counters + counter_index(kOutReady, slot, plan.slots);
     }
