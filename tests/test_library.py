@@ -90,3 +90,33 @@ def test_schedule_kernel_flags_bad_ids():
     assert int(status[0]) & 1, "an id >= E must set MOK_STATUS_BAD_EXPERT_ID"
     assert int(status[1]) == 7
     assert counts.tolist() == [1, 2, 1, 0]  # the bad route is left out, the rest placed
+
+
+def test_mok_op_calls_eager_plain_tensors_directly_and_fakes_through_the_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_mok.ops.custom_op import MokOp, mok_op
+
+    direct_calls = []
+
+    @mok_op("mok_test::scale_rows", mutates_args=())
+    def scale_rows(x: torch.Tensor, factor: float) -> torch.Tensor:
+        direct_calls.append(type(x))
+        return x * factor
+
+    @scale_rows.register_fake
+    def _(x, factor):
+        return torch.empty_like(x)
+
+    assert isinstance(scale_rows, MokOp) and scale_rows.__name__ == "scale_rows"
+    x = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(scale_rows(x, 2.0), x * 2)
+    assert torch.equal(scale_rows(x=x, factor=3.0), x * 3)
+    assert direct_calls == [torch.Tensor, torch.Tensor]
+    # Through the dispatcher, as torch.compile sees it: the same numbers.
+    assert torch.equal(torch.ops.mok_test.scale_rows(x, 2.0), x * 2)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+        out = scale_rows(fake, 2.0)  # a fake tensor goes to the registered fake
+    assert out.shape == (2, 3) and type(out) is not torch.Tensor
+    assert len(direct_calls) == 3  # only the dispatcher call above ran the implementation

@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import torch
 
 from ._ptr import ptr, stream_of
+from .custom_op import mok_op
 from .library import load_library
 
 _i, _l, _v = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
@@ -28,7 +29,7 @@ def _lib():
     }
 
 
-@torch.library.custom_op("mok::pull_rows", mutates_args="unknown")
+@mok_op("mok::pull_rows", mutates_args="unknown")
 def pull_rows(bases: torch.Tensor, src_offset: int, per_token: bool, scalar_offset: int,
               table: torch.Tensor, offsets: torch.Tensor, topk: int, capacity_rows: int,
               hidden: int, with_scalars: bool, num_blocks: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +67,7 @@ def _(bases, src_offset, per_token, scalar_offset, table, offsets, topk, capacit
             table.new_empty((capacity_rows if with_scalars else 0,), dtype=torch.float32))
 
 
-@torch.library.custom_op("mok::push_rows", mutates_args="unknown")
+@mok_op("mok::push_rows", mutates_args="unknown")
 def push_rows(bases: torch.Tensor, dst_offset: int, scalar_offset: int, table: torch.Tensor,
               offsets: torch.Tensor, topk: int, rows: torch.Tensor, scalars: Optional[torch.Tensor],
               num_blocks: int) -> None:
@@ -90,7 +91,7 @@ def _(bases, dst_offset, scalar_offset, table, offsets, topk, rows, scalars, num
     return None
 
 
-@torch.library.custom_op("mok::sum_slots", mutates_args="unknown")
+@mok_op("mok::sum_slots", mutates_args="unknown")
 def sum_slots(slots: torch.Tensor, ids: torch.Tensor, num_experts: int,
               scalar_slots: Optional[torch.Tensor], status: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Fixed-order sum over the top-k slots of this rank's tokens.
@@ -123,7 +124,7 @@ def _(slots, ids, num_experts, scalar_slots, status):
             slots.new_empty((T, K) if scalar_slots is not None else (0,), dtype=torch.float32))
 
 
-@torch.library.custom_op("mok::barrier", mutates_args="unknown")
+@mok_op("mok::barrier", mutates_args="unknown")
 def barrier(signal_bases: torch.Tensor, rank: int, counter: torch.Tensor, timeout_ns: int, site: int,
             status: torch.Tensor) -> None:
     """Device-side barrier of the P ranks whose signal arrays are ``signal_bases`` (int64

@@ -24,6 +24,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from ._ptr import ptr, stream_of
+from .custom_op import mok_op
 from .library import load_library
 
 _i, _i64, _v = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
@@ -350,7 +351,7 @@ def launch_weight_grad(a, b, offsets, out, *, accumulate: bool = False, tma_stor
 # ---- custom ops ------------------------------------------------------------------------------
 # The variant travels as four ints (block_m, wg_n, tma_store, multicast).
 
-@torch.library.custom_op("mok::gemm_fc1_swiglu", mutates_args=())
+@mok_op("mok::gemm_fc1_swiglu", mutates_args=())
 def gemm_fc1_swiglu_op(x: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor,
                        counts: torch.Tensor, router_weight: Optional[torch.Tensor], variant: List[int],
                        save_preact: bool, num_ctas: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -373,7 +374,7 @@ def _(x, fc1_weight, offsets, counts, router_weight, variant, save_preact, num_c
     return x.new_empty((R, two_i // 2)), x.new_empty((R if save_preact else 0, two_i))
 
 
-@torch.library.custom_op("mok::gemm_fc2", mutates_args=())
+@mok_op("mok::gemm_fc2", mutates_args=())
 def gemm_fc2_op(h: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, variant: List[int],
                 num_ctas: int) -> torch.Tensor:
     """y = h D^T per expert (bf16 [R, H]); see :func:`fc2`."""
@@ -387,7 +388,7 @@ def _(h, fc2_weight, offsets, variant, num_ctas):
     return h.new_empty((h.shape[0], fc2_weight.shape[1]))
 
 
-@torch.library.custom_op("mok::gemm_fc2_dgrad_swiglu", mutates_args=())
+@mok_op("mok::gemm_fc2_dgrad_swiglu", mutates_args=())
 def gemm_fc2_dgrad_swiglu_op(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tensor, offsets: torch.Tensor,
                              counts: torch.Tensor, router_weight: Optional[torch.Tensor], variant: List[int],
                              want_h: bool, num_ctas: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -416,7 +417,7 @@ def _(dy, fc2_weight, gu, offsets, counts, router_weight, variant, want_h, num_c
             dy.new_empty((R if want_h else 0, I)))
 
 
-@torch.library.custom_op("mok::gemm_fc2_dgrad", mutates_args=())
+@mok_op("mok::gemm_fc2_dgrad", mutates_args=())
 def gemm_fc2_dgrad_op(dy: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, variant: List[int],
                       num_ctas: int) -> torch.Tensor:
     """dh = dy D per expert (bf16 [R, I]); see :func:`fc2_dgrad`."""
@@ -430,7 +431,7 @@ def _(dy, fc2_weight, offsets, variant, num_ctas):
     return dy.new_empty((dy.shape[0], fc2_weight.shape[2]))
 
 
-@torch.library.custom_op("mok::gemm_fc1_dgrad", mutates_args=())
+@mok_op("mok::gemm_fc1_dgrad", mutates_args=())
 def gemm_fc1_dgrad_op(dgu: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, variant: List[int],
                       num_ctas: int) -> torch.Tensor:
     """dx = dgu W1 per expert (bf16 [R, H]); see :func:`fc1_dgrad`."""
@@ -444,7 +445,7 @@ def _(dgu, fc1_weight, offsets, variant, num_ctas):
     return dgu.new_empty((dgu.shape[0], fc1_weight.shape[2]))
 
 
-@torch.library.custom_op("mok::gemm_weight_grad", mutates_args=())
+@mok_op("mok::gemm_weight_grad", mutates_args=())
 def gemm_weight_grad_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
                         tma_store: bool, num_ctas: int) -> torch.Tensor:
     """out[e] = a_e^T b_e per expert ([L, M, N] in ``out_dtype``, fp32 or bf16)."""
@@ -459,7 +460,7 @@ def _(a, b, offsets, out_dtype, tma_store, num_ctas):
     return a.new_empty((offsets.shape[0] - 1, a.shape[1], b.shape[1]), dtype=out_dtype)
 
 
-@torch.library.custom_op("mok::gemm_weight_grad_accumulate", mutates_args=("main_grad",))
+@mok_op("mok::gemm_weight_grad_accumulate", mutates_args=("main_grad",))
 def gemm_weight_grad_accumulate_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                                    main_grad: torch.Tensor, num_ctas: int) -> None:
     """main_grad[e] += a_e^T b_e per expert (fp32 [L, M, N], e.g. Megatron's main_grad)."""

@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from ._ptr import stream_of
+from .custom_op import mok_op
 from .library import load_library
 
 BLOCK_ROWS = 128
@@ -201,7 +202,7 @@ def check_save_args(save_x, save_w, save_gu, table, fc1_weight) -> None:
 
 # ---- the op ----------------------------------------------------------------------------------
 
-@torch.library.custom_op("mok::megakernel_forward", mutates_args="unknown")
+@mok_op("mok::megakernel_forward", mutates_args="unknown")
 def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_offset: int, scalars_offset: int,
                        slots_offset: int, table: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
                        topk_ids: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,

@@ -8,6 +8,7 @@ from typing import List, Sequence
 import torch
 
 from ._ptr import pointer_table, ptr, stream_of
+from .custom_op import mok_op
 from .library import load_library
 
 STATUS_WORDS = 8
@@ -34,7 +35,7 @@ def _fn():
     return lib, fn
 
 
-@torch.library.custom_op("mok::build_schedule", mutates_args=("table", "counts", "offsets", "scratch", "status"))
+@mok_op("mok::build_schedule", mutates_args=("table", "counts", "offsets", "scratch", "status"))
 def build_schedule_op(
     ids_ptrs: torch.Tensor,
     ntok_ptrs: torch.Tensor,

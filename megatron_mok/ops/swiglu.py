@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 import torch
 
 from ._ptr import ptr, stream_of
+from .custom_op import mok_op
 from .library import load_library
 
 _i, _v = ctypes.c_int, ctypes.c_void_p
@@ -21,7 +22,7 @@ def _lib():
     }
 
 
-@torch.library.custom_op("mok::swiglu_forward", mutates_args=())
+@mok_op("mok::swiglu_forward", mutates_args=())
 def swiglu_forward(ab: torch.Tensor, w: Optional[torch.Tensor], offsets: torch.Tensor) -> torch.Tensor:
     """hw = w * silu(a) * b on the rows r < offsets[L].
 
@@ -46,7 +47,7 @@ def _(ab, w, offsets):
     return ab.new_empty((ab.shape[0], ab.shape[1] // 2))
 
 
-@torch.library.custom_op("mok::swiglu_backward", mutates_args=())
+@mok_op("mok::swiglu_backward", mutates_args=())
 def swiglu_backward(ab: torch.Tensor, w: Optional[torch.Tensor], g: torch.Tensor, offsets: torch.Tensor,
                     want_hw: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`swiglu_forward` given g = dL/d(hw) (bf16 [R, I]).
