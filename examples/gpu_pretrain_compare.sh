@@ -11,7 +11,8 @@
 #
 # Environment: PYTHON (interpreter with torch + megatron-core; default python3), NGPUS
 # (default: every visible GPU), ITERS (50), MOK_BACKEND (auto: the fastest MoK backend here;
-# reference also works, slowly). Writes OUT_DIR/{alltoall,mok}.log and prints the comparison;
+# reference also works, slowly), DISPATCHERS ("alltoall mok"; "mok" alone compares with an
+# alltoall.log already in OUT_DIR). Writes OUT_DIR/{alltoall,mok}.log and prints the comparison;
 # exits non-zero when a run fails or the curves differ beyond bf16 noise.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -64,7 +65,7 @@ print(f"MoK CUDA library ready ({time.time() - start:.0f} s)")
 PY
 
 status=0
-for dispatcher in alltoall mok; do
+for dispatcher in ${DISPATCHERS:-alltoall mok}; do
   extra=$(dispatcher_flags "$dispatcher")
   [ "$dispatcher" = mok ] && extra="$extra --mok-backend ${MOK_BACKEND:-auto}"
   echo "=== $dispatcher: $ngpus GPU(s), $experts experts, $iters iterations -> $out/$dispatcher.log"

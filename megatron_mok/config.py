@@ -19,8 +19,9 @@ GPU_TILE_ROWS = (64, 128)
 MAX_TILE_ROWS = 256
 # GEMM tile used by the heuristic: 128 rows x 256 output columns per compute SM and tile.
 HEURISTIC_TILE_COLS = 256
-# A copy kernel saturates NVLink 4 with about 8 SMs on H200 (shared/device-facts.md).
-COMM_SMS_DEFAULT = 16
+# Comm SMs of the megakernel (half pull, half push): with TMA bulk copies 12 was the fastest of
+# 4-16 on two H200s at 6 experts per GPU, and within 3% of the best at 192 (docs/perf-notes.md).
+COMM_SMS_DEFAULT = 12
 H200_NUM_SMS = 132
 
 
@@ -141,9 +142,11 @@ class MoKConfig:
 
         Heuristic (documented in docs/architecture.md):
 
-        * comm SMs: 16 (8 pulling, 8 pushing), at most a quarter of the SMs. Measured on two
-          H200s (docs/perf-notes.md): a comm SM moves ~25 GB/s of rows, and 8 + 8 keep the pulls ahead of the GEMMs at every shape
-          tried; the same rows move at P = 1 (local copies), so the default does not depend on P.
+        * comm SMs: 12 (6 pulling, 6 pushing), at most a quarter of the SMs. Measured on two
+          H200s (docs/perf-notes.md): a comm SM moving rows with TMA bulk copies reads ~35-40
+          GB/s of rows, 6 + 6 keep the pulls ahead of the GEMMs (compute SMs 98% busy), and
+          fewer starve them; the same rows move at P = 1 (local copies), so the default does
+          not depend on P.
         * minibatch: the smallest multiple of ``tile_rows`` whose fc1 (N = 2 * ffn_hidden) and
           fc2 (N = hidden) tile grids, in tiles of ``tile_rows`` x 256, each give every compute
           SM at least two waves.

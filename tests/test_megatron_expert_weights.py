@@ -39,7 +39,7 @@ L, I, H, T, K = 4, 8, 16, 12, 2
 
 @pytest.fixture(autouse=True)
 def zero_copy_on(monkeypatch):
-    """These tests check the zero-copy path, which is opt-in (MOK_ZERO_COPY_EXPERT_WEIGHTS=1)."""
+    """These tests check the zero-copy path (on unless MOK_ZERO_COPY_EXPERT_WEIGHTS=0)."""
     monkeypatch.setenv(ZERO_COPY_ENV, "1")
 
 
@@ -424,8 +424,11 @@ def _copies_when_off(rank, world):
     assert torch.equal(fc2[: len(params2)], torch.stack(params2))
 
 
-def test_zero_copy_is_off_by_default_and_the_layer_copies(monkeypatch):
+def test_zero_copy_is_on_by_default_and_off_copies(monkeypatch):
     monkeypatch.delenv(ZERO_COPY_ENV, raising=False)
+    assert zero_copy_enabled()
+    monkeypatch.setenv(ZERO_COPY_ENV, "0")
+    assert not zero_copy_enabled()
     megatron_ranks(_copies_when_off, 1)
 
 

@@ -1,5 +1,6 @@
 """The ``megakernel`` backend: the layer forward in one persistent kernel launch per MoE layer
-(after the schedule kernel), the backward by recomputation with the ``cuda`` backend's pieces.
+(after the schedule kernel), the backward with the ``cuda`` backend's kernels on activations the
+launch writes.
 
 Validated on H200s (P = 1, virtual ranks, P = 2: tests/test_megakernel.py). ``auto`` takes it
 for calls without a backward and with many rows per expert (:func:`auto_prefers_cuda`, from the
@@ -57,12 +58,13 @@ def last_trace() -> Dict[str, object]:
 BLOCK_ROWS = mk_ops.BLOCK_ROWS
 
 
-AUTO_MIN_ROWS_PER_EXPERT = 1024
+AUTO_MIN_ROWS_PER_EXPERT = 256
 """``auto`` prefers the cuda backend below this many routed rows per local expert (T * K / L).
-Measured on 2 H200s, T = 4096, K = 8 (docs/perf-notes.md): at ~5,500 rows per expert (6 per GPU)
-the megakernel's forward is 11% faster than the cuda backend's; at ~170 (192 per GPU, Kimi-K2
-at EP = 2) it is 6% slower (every expert's second 128-row block is two-thirds padding, and the
-weight-bound fc1 tiles cannot hide it). No shape between those two was measured."""
+Measured on 2 H200s, T = 4096, K = 8 (docs/perf-notes.md, 2026-11-30): at 256 rows per expert
+(DeepSeek-V3, 128 per GPU) the megakernel's forward was 2% faster than the cuda backend's even
+with the training copies, at ~5,500 (6 per GPU) 9% faster without grad; at ~170 (Kimi-K2, 192
+per GPU) 4% slower without grad (every expert's second 128-row block is two-thirds padding, and
+the weight-bound fc1 tiles cannot hide it). No shape between 170 and 256 was measured."""
 
 
 def auto_prefers_cuda(shape: MoEShape, needs_grad: bool) -> Optional[str]:
