@@ -153,22 +153,26 @@ class _CudaDeviceToCpu(torch.overrides.TorchFunctionMode):
 
 
 def megatron_train_steps(model, config, rank: int, iterations: int = 2, microbatches: int = 2,
-                         bf16: bool = True, overlap_grad_reduce: bool = True):
+                         bf16: bool = True, overlap_grad_reduce: bool = True,
+                         distributed_optimizer: bool = False, overlap_param_gather: bool = False):
     """``iterations`` training steps the way Megatron's ``train_step`` runs them (core 0.19.2):
-    ``Float16Module`` (with ``bf16``), Megatron's DistributedDataParallel (no distributed
-    optimizer), the optimizer from ``get_megatron_optimizer`` (Adam, fp32 main params),
-    ``forward_backward_no_pipelining`` over ``microbatches`` microbatches with
-    ``finalize_model_grads``, then ``optimizer.step()``.
+    ``Float16Module`` (with ``bf16``), Megatron's DistributedDataParallel (with
+    ``distributed_optimizer``, the distributed optimizer; with ``overlap_param_gather`` too, the
+    parameters' all-gather waited for in the modules' forward pre-hooks), the optimizer from
+    ``get_megatron_optimizer`` (Adam, fp32 main params), ``forward_backward_no_pipelining`` over
+    ``microbatches`` microbatches with ``finalize_model_grads``, then ``optimizer.step()``.
 
     ``config`` must be the model's config (``bf16=True`` with ``bf16``). Returns, per
     iteration, the losses of the microbatches (after Megatron's loss function) and every
     parameter's ``main_grad`` (keyed by the unwrapped model's parameter names), and at the
     end the parameters' values (a copy)."""
     with _CudaDeviceToCpu():
-        return _train_steps(model, config, rank, iterations, microbatches, bf16, overlap_grad_reduce)
+        return _train_steps(model, config, rank, iterations, microbatches, bf16, overlap_grad_reduce,
+                            distributed_optimizer, overlap_param_gather)
 
 
-def _train_steps(model, config, rank, iterations, microbatches, bf16, overlap_grad_reduce):
+def _train_steps(model, config, rank, iterations, microbatches, bf16, overlap_grad_reduce, distributed_optimizer,
+                 overlap_param_gather):
     from functools import partial
 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -177,11 +181,16 @@ def _train_steps(model, config, rank, iterations, microbatches, bf16, overlap_gr
     from megatron.core.transformer.module import Float16Module
 
     wrapped = Float16Module(config, model) if bf16 else model
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=False, overlap_grad_reduce=overlap_grad_reduce,
-                                               grad_reduce_in_fp32=True)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
+                                               overlap_grad_reduce=overlap_grad_reduce,
+                                               overlap_param_gather=overlap_param_gather, grad_reduce_in_fp32=True,
+                                               # small buckets: the expert weights get buckets of
+                                               # their own, as in a real model's size
+                                               bucket_size=4096 if distributed_optimizer else None)
     ddp = DistributedDataParallel(config, ddp_config, wrapped)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, bf16=bf16, use_distributed_optimizer=False, clip_grad=1.0),
+        OptimizerConfig(optimizer="adam", lr=1e-2, bf16=bf16, use_distributed_optimizer=distributed_optimizer,
+                        clip_grad=1.0),
         [ddp])
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp.no_sync if overlap_grad_reduce else None
@@ -204,9 +213,19 @@ def _train_steps(model, config, rank, iterations, microbatches, bf16, overlap_gr
         results = forward_backward_no_pipelining(
             forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=microbatches,
             seq_length=SEQ, micro_batch_size=BATCH)
+        if overlap_param_gather:
+            # What the forward pre-hooks guarantee: every parameter all-gather of this step was
+            # waited for before the forward used the parameters (one not waited for is a race
+            # with the compute stream on GPUs; on gloo it completes in time anyway).
+            groups = ddp.bucket_groups + ddp.expert_parallel_bucket_groups
+            pending = [i for i, g in enumerate(groups) if g.param_gather_handle is not None]
+            assert not pending, (f"iteration {iteration}: the parameter all-gather of bucket groups {pending} "
+                                 f"(of {len(groups)}) was never waited for")
         losses = torch.stack([r["loss"] for r in results])
         grads = {names[id(p)]: p.main_grad.detach().clone() for p in model.parameters() if p.requires_grad}
         optimizer.step()
         history.append((losses, grads))
+    if overlap_param_gather:
+        ddp.disable_forward_pre_hook()  # waits for the last step's parameter all-gathers
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return history, params

@@ -542,3 +542,68 @@ def _megatron_training(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_megatron_training_steps_with_zero_copy_equal_the_copy(world):
     megatron_ranks(_megatron_training, world)
+
+
+def _pre_hooks_seen(rank, world, results, fuse_shared):
+    """Forward pre-hooks on every module, as Megatron's DDP registers them with
+    --overlap-param-gather: which parameter-owning modules saw theirs in one forward."""
+    import megatron_mok
+    from megatron_mok.megatron import MoKLayerSettings
+
+    megatron_mok.register()
+    seen = {}
+    for dispatcher in ("alltoall", "mok"):
+        settings = MoKLayerSettings(backend="reference", fuse_shared_expert=fuse_shared)
+        config = tiny_config(dispatcher, world, **({"mok_settings": settings} if dispatcher == "mok" else {}))
+        model = build_gpt(config, seed=9)
+        called = []
+        for name, module in model.named_modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                module.register_forward_pre_hook(lambda m, args, name=name: called.append(name))
+        tokens, position_ids, mask, labels = batch(rank)
+        model(tokens, position_ids, mask, labels=labels)
+        seen[dispatcher] = called
+    expert_modules = [n for n in seen["alltoall"] if ".experts." in n or (fuse_shared and ".shared_experts." in n)]
+    assert expert_modules, "the alltoall forward called no expert module"
+    missing = sorted(set(seen["alltoall"]) - set(seen["mok"]))
+    assert not missing, f"under mok these modules' forward pre-hooks never ran: {missing}"
+    # Each expert module's hook ran before the layer's output existed: once per forward.
+    for name in expert_modules:
+        assert seen["mok"].count(name) == seen["alltoall"].count(name), name
+    results[rank] = True
+
+
+@pytest.mark.parametrize("fuse_shared", [False, True], ids=["shared-expert-module", "shared-expert-fused"])
+def test_expert_modules_forward_pre_hooks_run_as_ddp_overlap_param_gather_needs(fuse_shared):
+    import multiprocessing
+
+    results = multiprocessing.Manager().dict()
+    megatron_ranks(_pre_hooks_seen, 2, results, fuse_shared)
+    assert dict(results) == {0: True, 1: True}
+
+
+def _overlap_param_gather(rank, world, ep):
+    """Megatron training with the distributed optimizer, its parameter all-gather overlapped with
+    the forward (waited for in the modules' forward pre-hooks) or not: the same numbers. With
+    EP < world the experts are replicated over world / EP data-parallel ranks, so the optimizer
+    shards them and each step must all-gather them back (with EP = world there is nothing to
+    gather, and a layer that skipped the hooks would pass)."""
+    import megatron_mok
+
+    megatron_mok.register()
+    results = {}
+    for overlap in (False, True):
+        config = tiny_config("mok", ep, mok_settings=_settings(), bf16=True, params_dtype=torch.bfloat16)
+        model = build_gpt(config, seed=6)
+        results[overlap] = megatron_train_steps(model, config, rank, iterations=3, microbatches=2,
+                                                distributed_optimizer=True, overlap_param_gather=overlap)
+    (want, want_params), (got, got_params) = results[False], results[True]
+    for it, ((want_losses, _), (got_losses, _)) in enumerate(zip(want, got)):
+        assert torch.equal(got_losses, want_losses), f"iteration {it}: {got_losses} vs {want_losses}"
+    for name, value in want_params.items():
+        assert torch.equal(got_params[name], value), name
+
+
+@pytest.mark.parametrize("world,ep", [(2, 1), (2, 2)])
+def test_training_with_overlapped_param_gather_equals_it_without(world, ep):
+    megatron_ranks(_overlap_param_gather, world, ep, expert_parallel=ep)

@@ -32,6 +32,7 @@ import torch
 __all__ = [
     "ZERO_COPY_ENV",
     "zero_copy_enabled",
+    "run_forward_pre_hooks",
     "FORWARD", "REVERSED", "expert_layout", "local_expert_weights", "shared_expert_weights",
     "stack_expert_storage", "stack_experts", "stack_parameter_storage", "stacked",
 ]
@@ -129,6 +130,29 @@ of its weight arguments; the non-view alias of :class:`_StackedView` fixed it.""
 def zero_copy_enabled() -> bool:
     """Whether zero-copy expert weights are on (``MOK_ZERO_COPY_EXPERT_WEIGHTS`` is not "0")."""
     return os.environ.get(ZERO_COPY_ENV, "1") != "0"
+
+
+def run_forward_pre_hooks(module: torch.nn.Module) -> None:
+    """Run the forward pre-hooks of ``module`` and of its submodules, whose ``forward`` the MoK
+    layer never calls (it reads their weights). Megatron's DistributedDataParallel with
+    ``--overlap-param-gather`` depends on them: the hook of a module waits for the all-gather of
+    that module's parameters (and dispatches the next bucket's); without it the experts would
+    be read while their all-gather may still be running, or never issued.
+
+    Hooks are called as if the module had been called with no inputs: ``hook(m, ())``, or
+    ``hook(m, (), {})`` for hooks registered ``with_kwargs``; what they return is ignored.
+    Global hooks (``register_module_forward_pre_hook``) are not called.
+    """
+    for m in module.modules():
+        hooks = m._forward_pre_hooks
+        if not hooks:
+            continue
+        with_kwargs = m._forward_pre_hooks_with_kwargs
+        for hook_id, hook in list(hooks.items()):
+            if hook_id in with_kwargs:
+                hook(m, (), {})
+            else:
+                hook(m, ())
 
 
 def expert_layout(weights: Sequence[torch.Tensor]) -> Optional[str]:

@@ -44,6 +44,7 @@ from .experts import (
     REVERSED,
     expert_layout,
     local_expert_weights,
+    run_forward_pre_hooks,
     shared_expert_weights,
     stack_expert_storage,
     zero_copy_enabled,
@@ -177,6 +178,11 @@ class MoKMoELayer(MoELayer):
         every EP rank's layout allows it. Any other layout, and the fused shared expert (its
         weights are slices of the shared expert's), costs one ``torch.stack`` copy.
         """
+        # The expert modules' forward is never called: run their forward pre-hooks (Megatron's
+        # DDP waits for their parameters' all-gather there with --overlap-param-gather).
+        run_forward_pre_hooks(self.experts)
+        if self.fused_shared:
+            run_forward_pre_hooks(self.shared_experts)
         fc1, fc2 = local_expert_weights(self.experts, self.num_local_experts)
         if not zero_copy_enabled():
             if self.fused_shared:
