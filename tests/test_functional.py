@@ -121,3 +121,29 @@ def test_import_without_gpu():
     code = "import megatron_mok, megatron_mok.functional, sys; assert 'megatron.core' not in sys.modules"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_cuda_backend_swiglu_mode_from_the_environment(monkeypatch):
+    """MOK_CUDA_SWIGLU picks where the cuda backend's Hopper GEMMs run SwiGLU (forward, backward); a
+    bad value is a clear error; a shape the fused data gradient's tile does not fit runs the
+    separate SwiGLU backward."""
+    from megatron_mok.functional import cuda_backend
+    from megatron_mok.functional.validate import MoEShape
+
+    kimi = MoEShape(tokens=4096, hidden=7168, topk=8, experts_per_rank=6, ffn_hidden=2048)
+    odd = MoEShape(4096, 4096, 8, 16, 1280)  # I = 1280: not a multiple of the t64 backward tile (512)
+    monkeypatch.delenv("MOK_GROUPED_GEMM", raising=False)
+    monkeypatch.delenv(cuda_backend.SWIGLU_ENV, raising=False)
+    assert cuda_backend.fused_swiglu_apply(kimi, 128) == (True, False)  # the default: "forward"
+    monkeypatch.setenv(cuda_backend.SWIGLU_ENV, "fused")
+    assert cuda_backend.fused_swiglu_apply(kimi, 128) == (True, True)
+    assert cuda_backend.fused_swiglu_apply(odd, 64) == (True, False)
+    assert cuda_backend.fused_swiglu_apply(odd, 128) == (True, True)
+    monkeypatch.setenv("MOK_GROUPED_GEMM", "torch")  # no Hopper GEMMs: nothing to fuse into
+    assert cuda_backend.fused_swiglu_apply(kimi, 128) == (False, False)
+    monkeypatch.delenv("MOK_GROUPED_GEMM")
+    monkeypatch.setenv(cuda_backend.SWIGLU_ENV, "separate")
+    assert cuda_backend.fused_swiglu_apply(kimi, 128) == (False, False)
+    monkeypatch.setenv(cuda_backend.SWIGLU_ENV, "sometimes")
+    with pytest.raises(ValueError, match="MOK_CUDA_SWIGLU='sometimes': expected one of forward, fused, separate"):
+        cuda_backend.fused_swiglu_apply(kimi, 128)

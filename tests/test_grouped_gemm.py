@@ -153,6 +153,12 @@ def test_python_checks_name_the_bad_value():
     assert gg.check_fc1_dgrad(torch.zeros(256, 1024, dtype=torch.bfloat16), w1, offsets, 64) == \
         gg.DEFAULTS["dgrad"][64]
     assert gg.check_fc2_dgrad(x, w2, offsets, 128, multicast=True).multicast
+    # fc1_preact runs fc2's kernel on fc1's weight; its errors speak of fc1's operands
+    with pytest.raises(gg.GemmArgumentError, match="fc1_weight must be \\[L, 2I, H=256\\]"):
+        gg.fc1_preact(torch.zeros(256, 256, dtype=torch.bfloat16), w1, offsets)
+    with pytest.raises(gg.GemmArgumentError, match="2I = 640 must be a multiple of 256"):
+        gg.check_fc2(x, torch.zeros(4, 640, 1024, dtype=torch.bfloat16), offsets, 128,
+                     names=("x", "fc1_weight", "H", "2I"))
 
 
 def test_wrappers_pass_sizes_and_variant_through(monkeypatch):
@@ -382,6 +388,28 @@ def test_fc2(cfg):
         gg.launch_fc2(h, w2, lay.offsets_d, y, variant=v, num_ctas=num_ctas)
         torch.cuda.synchronize()
         _check(f"y (ctas={num_ctas})", y, ref, lay, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [128, 64])
+def test_fc1_preact_is_the_fused_kernels_pre_activation(tile):
+    """fc1_preact (the plain row GEMM on fc1's weight: the cuda backend's fc1 with
+    MOK_CUDA_SWIGLU=separate) gives x W1^T: against float64, and bitwise the gu the fused
+    fc1 + SwiGLU kernel saves (same K order per element)."""
+    seed = _seed()
+    lay = Layout(SMALL, tile)
+    H, I = 1024, 512
+    x, w1, _, _ = _inputs(lay, H, I, padding="zero")  # the plain GEMM maps zero padding rows to zeros
+    _, gu_ref = ref_fc1(lay, x, w1, None)
+    gu = _poisoned(lay.R, 2 * I)
+    gg.launch_fc2(x, w1, lay.offsets_d, gu, variant=gg.variant("fc2", tile))
+    gu_op = gg.fc1_preact(x, w1, lay.offsets_d, tile_rows=tile)
+    _, gu_fused = gg.fc1_swiglu(x, w1, lay.offsets_d, lay.counts_d, None, tile_rows=tile, save_preact=True)
+    torch.cuda.synchronize()
+    _check("gu", gu, gu_ref, lay, seed)
+    assert torch.equal(gu_op[:lay.R_pad], gu[:lay.R_pad]), f"the op differs from its launcher (seed {seed})"
+    real = lay.real_mask()
+    assert torch.equal(gu[real], gu_fused[real]), f"fc1_preact differs from the fused kernel's gu (seed {seed})"
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ rows per rank spread over E / EP local experts), with uniform and skewed (Zipf-l
 experts empty) expert loads, on the expert-grouped layout padded to 128 and to 64 rows:
 
     fc1+SwiGLU  ours (fused)     vs torch._grouped_mm, and it plus the separate SwiGLU kernel
+    fc1         ours (plain GEMM, the pre-activation only) vs torch._grouped_mm
     fc2         ours             vs torch._grouped_mm
     fc2 dgrad   ours (+SwiGLU backward, router-weight gradient, h) vs torch._grouped_mm, and
                 it plus the separate SwiGLU backward kernel
@@ -233,7 +234,18 @@ def run_case(c: Case, label: dict, sw, rows_out: List[Row], wgrad_fp32: bool) ->
     else:  # no variant of this filter takes the layout: the other kernels still need gu and h
         gg.launch_fc1_swiglu(c.x, c.w1, c.offsets, c.counts_d, c.rw, c.h, c.gu,
                              variant=gg.DEFAULTS["fc1"][c.tile])
-    del gu_t
+    # ---- fc1's pre-activation alone (the plain row GEMM, as the cuda backend runs it with
+    # MOK_CUDA_SWIGLU=separate); into a scratch buffer, so gu keeps the fused kernel's output
+    ours, err = {}, 0.0
+    gu2 = torch.empty_like(c.gu)
+    for v in variants("fc2", c.tile):
+        f = lambda v=v, out=gu2: gg.launch_fc2(c.x, c.w1, c.offsets, out, variant=v)  # noqa: E731
+        f()
+        err = max(err, rel_err(gu2 * real, gu_t * real))
+        ours[vname(v)] = time_ms(f)
+    if ours:
+        add("fc1", 2 * R_real * 2 * I * H, c.R * H * 2 + w_bytes1 + c.R * 2 * I * 2, ours, t_mm, None, err)
+    del gu_t, gu2
 
     # ---- fc2
     y_t = torch._grouped_mm(c.h, c.w2.transpose(1, 2), offs=c.ends)

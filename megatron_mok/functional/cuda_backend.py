@@ -60,6 +60,29 @@ def hopper_gemms_apply(shape: MoEShape, tile_rows: int) -> bool:
     return tile_rows in GPU_TILE_ROWS and shape.hidden % 256 == 0 and shape.ffn_hidden % 256 == 0
 
 
+SWIGLU_ENV = "MOK_CUDA_SWIGLU"
+SWIGLU_MODES = ("forward", "fused", "separate")
+SWIGLU_DEFAULT = "forward"
+"""Where the cuda backend runs SwiGLU with MoK's Hopper GEMMs (``MOK_CUDA_SWIGLU``): ``forward``
+fuses it into fc1's epilogue and runs the backward as the plain fc2 data gradient plus the
+separate SwiGLU-backward kernel; ``fused`` fuses both; ``separate`` fuses neither. The default is
+what the layer benchmark measured fastest on two H200s (docs/perf-notes.md, fourth session): the
+fused forward 0-2% faster per layer, the fused backward 2-4% slower."""
+
+
+def fused_swiglu_apply(shape: MoEShape, tile_rows: int) -> tuple:
+    """(forward, backward): whether fc1 runs with the SwiGLU epilogue, and whether the fc2 data
+    gradient runs with the SwiGLU-backward epilogue. Both need MoK's Hopper GEMMs
+    (:func:`hopper_gemms_apply`); the fused backward also needs I to fill its column tiles."""
+    mode = os.environ.get(SWIGLU_ENV, SWIGLU_DEFAULT)
+    if mode not in SWIGLU_MODES:
+        raise ValueError(f"{SWIGLU_ENV}={mode!r}: expected one of {', '.join(SWIGLU_MODES)}")
+    if mode == "separate" or not hopper_gemms_apply(shape, tile_rows):
+        return False, False
+    v = mok_gemm.variant("fc2_dgrad_swiglu", tile_rows)
+    return True, mode == "fused" and shape.ffn_hidden % (v.wg_n * 128 // v.block_m) == 0
+
+
 @dataclass(frozen=True)
 class _Call:
     ws: Workspace
@@ -68,6 +91,7 @@ class _Call:
     num_experts: int
     comm_blocks: int
     hopper_gemms: bool
+    fused_swiglu: tuple = (False, False)  # (forward, backward): fused_swiglu_apply
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -75,11 +99,22 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.T
     return torch._grouped_mm(a, b, offs=ends)
 
 
-# The expert GEMMs. Where MoK's Hopper kernels were measured faster than torch._grouped_mm
-# (fc2 1.22x, fc1 data gradient 1.21x, weight gradients 1.16-1.19x, geometric means over the
-# Kimi-K2 / DeepSeek-V3 / Qwen3 expert loads, docs/perf-notes.md) they run; fc1 (+ SwiGLU) and
-# the fc2 data gradient stay on torch._grouped_mm + MoK's SwiGLU kernels, where the fused
-# Hopper kernels were on average only even.
+# The expert GEMMs: MoK's Hopper kernels wherever the shape allows (each was measured at or above
+# torch._grouped_mm's speed, docs/perf-notes.md, fourth session), torch._grouped_mm otherwise.
+# By default fc1 has SwiGLU in its epilogue and the backward runs the plain fc2 data gradient,
+# then the separate SwiGLU-backward kernel (MOK_CUDA_SWIGLU, above).
+
+def _fc1(call: _Call, x_disp, fc1, offsets):
+    if call.hopper_gemms:
+        return mok_gemm.fc1_preact(x_disp, fc1, offsets, tile_rows=call.segment_rows)
+    return _grouped_mm(x_disp, fc1.transpose(1, 2), offsets[1:])
+
+
+def _fc2_dgrad(call: _Call, d_out, fc2, offsets):
+    if call.hopper_gemms:
+        return mok_gemm.fc2_dgrad(d_out, fc2, offsets, tile_rows=call.segment_rows)
+    return _grouped_mm(d_out, fc2, offsets[1:])
+
 
 def _fc2(call: _Call, hw, fc2, offsets):
     if call.hopper_gemms:
@@ -110,17 +145,20 @@ class _CudaMoE(torch.autograd.Function):
         ws.publish(x, topk_ids, topk_weights)
         ws.barrier(SITE_FWD_DISPATCH, call.timeout_s)
         table, counts, offsets, capacity = ws.build_schedule(call.segment_rows)
-        ends = offsets[1:]
         x_disp, w_disp = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, table, offsets,
                                             K, capacity, H, True, call.comm_blocks)
-        ab = _grouped_mm(x_disp, fc1.transpose(1, 2), ends)          # [R, 2I]
-        hw = swiglu_ops.swiglu_forward(ab, w_disp, offsets)         # [R, I]
+        if call.fused_swiglu[0]:
+            hw, ab = mok_gemm.fc1_swiglu(x_disp, fc1, offsets, counts, w_disp, tile_rows=call.segment_rows,
+                                         save_preact=True)          # [R, I], [R, 2I]
+        else:
+            ab = _fc1(call, x_disp, fc1, offsets)                   # [R, 2I]
+            hw = swiglu_ops.swiglu_forward(ab, w_disp, offsets)     # [R, I]
         out_rows = _fc2(call, hw, fc2, offsets)                     # [R, H]
         comm_ops.push_rows(ws.bases, ws.layout.slots, 0, table, offsets, K, out_rows, None, call.comm_blocks)
         ws.barrier(SITE_FWD_COMBINE, call.timeout_s)
         y, _ = comm_ops.sum_slots(ws.slots[:T], topk_ids, call.num_experts, None, ws.status)
         # The workspace is shared by every layer: keep what the backward needs outside it.
-        ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab)
+        ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts)
         ws.mirror_status()
         ctx.call = call
         ctx.tokens = T
@@ -128,19 +166,22 @@ class _CudaMoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab = ctx.saved_tensors
+        topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts = ctx.saved_tensors
         call: _Call = ctx.call
         ws = call.ws
         ws.raise_if_failed(call.timeout_s)
         T, K, H = ctx.tokens, ws.layout.topk, ws.layout.hidden
         capacity = table.shape[0]
-        ends = offsets[1:]
         ws.publish(None, None, None, rows=dy.to(torch.bfloat16).contiguous())
         ws.barrier(SITE_BWD_DISPATCH, call.timeout_s)
         d_out, _ = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, 0, table, offsets, K, capacity, H,
                                       False, call.comm_blocks)
-        g = _grouped_mm(d_out, fc2, ends)                                       # dL/d(hw) [R, I]
-        d_ab, dw_rows, hw = swiglu_ops.swiglu_backward(ab, w_disp, g, offsets, True)
+        if call.fused_swiglu[1]:
+            d_ab, dw_rows, hw = mok_gemm.fc2_dgrad_swiglu(d_out, fc2, ab, offsets, counts, w_disp,
+                                                          tile_rows=call.segment_rows, want_h=True)
+        else:
+            g = _fc2_dgrad(call, d_out, fc2, offsets)                           # dL/d(hw) [R, I]
+            d_ab, dw_rows, hw = swiglu_ops.swiglu_backward(ab, w_disp, g, offsets, True)
         d_fc2 = _weight_grad(call, d_out, hw, offsets)                          # [L, H, I]
         d_fc1 = _weight_grad(call, d_ab, x_disp, offsets)                       # [L, 2I, H]
         dx_rows = _fc1_dgrad(call, d_ab, fc1, offsets)                          # [R, H]
@@ -170,6 +211,7 @@ def cuda_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_group: EPG
     # anyway, and measured no faster with 8-row segments (docs/perf-notes.md, 2026-11-29).
     call = _Call(ws=ws, segment_rows=config.tile_rows, timeout_s=float(config.timeout_s),
                  num_experts=P * shape.experts_per_rank, comm_blocks=0,
-                 hopper_gemms=hopper_gemms_apply(shape, config.tile_rows))
+                 hopper_gemms=hopper_gemms_apply(shape, config.tile_rows),
+                 fused_swiglu=fused_swiglu_apply(shape, config.tile_rows))
     return _CudaMoE.apply(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
                           fc1_weight, fc2_weight, call)

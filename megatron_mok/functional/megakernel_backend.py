@@ -201,15 +201,15 @@ class _MegakernelMoE(torch.autograd.Function):
             cfg.minibatch_rows, cfg.comm_sms_forward, call.num_ctas, int(call.timeout_s * 1e9), trace, *saved)
         ws.mirror_status()
         if training:
-            ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, *saved)
+            ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, *saved, counts)
             ctx.call = call
             ctx.tokens = x.shape[0]
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab = ctx.saved_tensors
-        inner = SimpleNamespace(saved_tensors=(topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab),
+        topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts = ctx.saved_tensors
+        inner = SimpleNamespace(saved_tensors=(topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts),
                                 call=ctx.call.cuda_call, tokens=ctx.tokens)
         dx, _, dw, d_fc1, d_fc2, _ = cuda_backend._CudaMoE.backward(inner, dy)
         return dx, None, dw, d_fc1, d_fc2, None
@@ -238,7 +238,8 @@ def megakernel_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_grou
     ring = get_ring(ws, resolved.ring_rows, shape.ffn_hidden)
     cuda_call = cuda_backend._Call(ws=ws, segment_rows=BLOCK_ROWS, timeout_s=float(config.timeout_s),
                                    num_experts=P * shape.experts_per_rank, comm_blocks=0,
-                                   hopper_gemms=cuda_backend.hopper_gemms_apply(shape, BLOCK_ROWS))
+                                   hopper_gemms=cuda_backend.hopper_gemms_apply(shape, BLOCK_ROWS),
+                                   fused_swiglu=cuda_backend.fused_swiglu_apply(shape, BLOCK_ROWS))
     num_ctas = share if isinstance(ep_group, LocalEPRank) else 0
     call = _Call(ws=ws, ring=ring, config=resolved, num_ctas=num_ctas, timeout_s=float(config.timeout_s),
                  cuda_call=cuda_call)

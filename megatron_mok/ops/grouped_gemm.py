@@ -177,18 +177,20 @@ def check_fc1_swiglu(x, fc1_weight, offsets, counts, router_weight, tile_rows, b
 
 
 def check_fc2(h, fc2_weight, offsets, tile_rows, block_m=None, wg_n=None, tma_store=None,
-              multicast=None) -> Variant:
-    """Validate :func:`fc2`'s arguments; returns the variant to launch."""
-    _check_matrix("h", h, torch.bfloat16, 2, None)
-    _check_matrix("fc2_weight", fc2_weight, torch.bfloat16, 3, h.device)
+              multicast=None, names=("h", "fc2_weight", "I", "H")) -> Variant:
+    """Validate :func:`fc2`'s arguments (``names``: how errors call A, the weight, K and N;
+    :func:`fc1_preact` passes its own); returns the variant to launch."""
+    a_name, w_name, k_name, n_name = names
+    _check_matrix(a_name, h, torch.bfloat16, 2, None)
+    _check_matrix(w_name, fc2_weight, torch.bfloat16, 3, h.device)
     R, I = h.shape
     L, H, I1 = fc2_weight.shape
     if I1 != I:
-        _fail(f"fc2_weight must be [L, H, I={I}], got {tuple(fc2_weight.shape)}")
+        _fail(f"{w_name} must be [L, {n_name}, {k_name}={I}], got {tuple(fc2_weight.shape)}")
     _check_layout(offsets, None, L, h.device)
     v = variant("fc2", tile_rows, block_m, wg_n, tma_store, multicast)
-    _check_multiple("I", I, 64, "the K step of the kernels")
-    _check_multiple("H", H, v.wg_n * 128 // v.block_m, f"columns of a {v.block_m}-row tile")
+    _check_multiple(k_name, I, 64, "the K step of the kernels")
+    _check_multiple(n_name, H, v.wg_n * 128 // v.block_m, f"columns of a {v.block_m}-row tile")
     return v
 
 
@@ -516,6 +518,29 @@ def fc2(h: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, *, til
     """
     v = check_fc2(h, fc2_weight, offsets, tile_rows, block_m, wg_n, tma_store, multicast)
     return gemm_fc2_op(h, fc2_weight, offsets, list(_vargs(v)), num_ctas)
+
+
+def fc1_preact(x: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, *, tile_rows: int = 128,
+               block_m: Optional[int] = None, wg_n: Optional[int] = None, tma_store: Optional[bool] = None,
+               multicast: Optional[bool] = None, num_ctas: int = 0) -> torch.Tensor:
+    """fc1 without its activation: gu[r] = x[r] W1_e^T, for a SwiGLU run separately.
+
+    The same plain row GEMM as :func:`fc2` (fc1_weight [L, 2I, H] is its [L, N, K] weight); the
+    cuda backend runs it with ``MOK_CUDA_SWIGLU=separate``. Measured 0.91-1.38x the speed of
+    torch._grouped_mm on the same data, slower than the fused :func:`fc1_swiglu`, which applies
+    SwiGLU as well (docs/perf-notes.md, fourth session); its gu is bitwise the one
+    :func:`fc1_swiglu` saves.
+
+    Args:
+        x: bf16 [R, H]. fc1_weight: bf16 [L, 2I, H]. offsets, tile_rows, block_m, wg_n, tma_store,
+        multicast, num_ctas: as in :func:`fc1_swiglu` (variants: those of ``fc2``).
+
+    Returns:
+        gu bf16 [R, 2I] (gate columns, then up columns); padding rows are x's padding rows times W1.
+    """
+    v = check_fc2(x, fc1_weight, offsets, tile_rows, block_m, wg_n, tma_store, multicast,
+                  names=("x", "fc1_weight", "H", "2I"))
+    return gemm_fc2_op(x, fc1_weight, offsets, list(_vargs(v)), num_ctas)
 
 
 def fc2_dgrad_swiglu(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tensor, offsets: torch.Tensor,
