@@ -147,3 +147,28 @@ def test_cuda_backend_swiglu_mode_from_the_environment(monkeypatch):
     monkeypatch.setenv(cuda_backend.SWIGLU_ENV, "sometimes")
     with pytest.raises(ValueError, match="MOK_CUDA_SWIGLU='sometimes': expected one of forward, fused, separate"):
         cuda_backend.fused_swiglu_apply(kimi, 128)
+
+
+def test_cuda_backend_row_gemm_orients_the_weight_for_either_path():
+    """_row_gemm hands MoK's kernels the weight as stored and gives torch._grouped_mm W_e^T for
+    [L, N, K] weights (fc1, fc2) and W_e for [L, K, N] ones (the data gradients): checked
+    against a per-expert matmul on the CPU, with MoK's kernel replaced by a recorder."""
+    from types import SimpleNamespace
+
+    from megatron_mok.functional.cuda_backend import _row_gemm
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 64, generator=gen).bfloat16()
+    offsets = torch.tensor([0, 16, 32], dtype=torch.int32)
+    for n_by_k, w in ((True, torch.randn(2, 48, 64, generator=gen).bfloat16()),
+                      (False, torch.randn(2, 64, 48, generator=gen).bfloat16())):
+        out = _row_gemm(SimpleNamespace(hopper_gemms=False), None, a, w, offsets, n_by_k)
+        for e in range(2):
+            w_e = w[e].float().t() if n_by_k else w[e].float()
+            want = a[16 * e:16 * (e + 1)].float() @ w_e
+            assert torch.allclose(out[16 * e:16 * (e + 1)].float(), want, rtol=2e-2, atol=2e-1)
+        seen = []
+        _row_gemm(SimpleNamespace(hopper_gemms=True, segment_rows=128),
+                  lambda *args, **kw: seen.append((args, kw)), a, w, offsets, n_by_k)
+        (args, kw), = seen
+        assert args[0] is a and args[1] is w and args[2] is offsets and kw == {"tile_rows": 128}

@@ -104,28 +104,14 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.T
 # By default fc1 has SwiGLU in its epilogue and the backward runs the plain fc2 data gradient,
 # then the separate SwiGLU-backward kernel (MOK_CUDA_SWIGLU, above).
 
-def _fc1(call: _Call, x_disp, fc1, offsets):
+def _row_gemm(call: _Call, ours, a, w, offsets, w_is_n_by_k: bool):
+    """The row-grouped GEMM out[rows of e] = a[rows of e] @ W_e, with W_e = w[e]^T when w is
+    [L, N, K] (``w_is_n_by_k``: fc1's pre-activation, fc2) and w[e] when it is [L, K, N] (the data
+    gradients): MoK's kernel ``ours`` (one of ``mok_gemm``'s, which take w as stored) or
+    torch._grouped_mm."""
     if call.hopper_gemms:
-        return mok_gemm.fc1_preact(x_disp, fc1, offsets, tile_rows=call.segment_rows)
-    return _grouped_mm(x_disp, fc1.transpose(1, 2), offsets[1:])
-
-
-def _fc2_dgrad(call: _Call, d_out, fc2, offsets):
-    if call.hopper_gemms:
-        return mok_gemm.fc2_dgrad(d_out, fc2, offsets, tile_rows=call.segment_rows)
-    return _grouped_mm(d_out, fc2, offsets[1:])
-
-
-def _fc2(call: _Call, hw, fc2, offsets):
-    if call.hopper_gemms:
-        return mok_gemm.fc2(hw, fc2, offsets, tile_rows=call.segment_rows)
-    return _grouped_mm(hw, fc2.transpose(1, 2), offsets[1:])
-
-
-def _fc1_dgrad(call: _Call, d_ab, fc1, offsets):
-    if call.hopper_gemms:
-        return mok_gemm.fc1_dgrad(d_ab, fc1, offsets, tile_rows=call.segment_rows)
-    return _grouped_mm(d_ab, fc1, offsets[1:])
+        return ours(a, w, offsets, tile_rows=call.segment_rows)
+    return _grouped_mm(a, w.transpose(1, 2) if w_is_n_by_k else w, offsets[1:])
 
 
 def _weight_grad(call: _Call, a, b, offsets):
@@ -151,9 +137,9 @@ class _CudaMoE(torch.autograd.Function):
             hw, ab = mok_gemm.fc1_swiglu(x_disp, fc1, offsets, counts, w_disp, tile_rows=call.segment_rows,
                                          save_preact=True)          # [R, I], [R, 2I]
         else:
-            ab = _fc1(call, x_disp, fc1, offsets)                   # [R, 2I]
+            ab = _row_gemm(call, mok_gemm.fc1_preact, x_disp, fc1, offsets, True)  # [R, 2I]
             hw = swiglu_ops.swiglu_forward(ab, w_disp, offsets)     # [R, I]
-        out_rows = _fc2(call, hw, fc2, offsets)                     # [R, H]
+        out_rows = _row_gemm(call, mok_gemm.fc2, hw, fc2, offsets, True)       # [R, H]
         comm_ops.push_rows(ws.bases, ws.layout.slots, 0, table, offsets, K, out_rows, None, call.comm_blocks)
         ws.barrier(SITE_FWD_COMBINE, call.timeout_s)
         y, _ = comm_ops.sum_slots(ws.slots[:T], topk_ids, call.num_experts, None, ws.status)
@@ -180,11 +166,11 @@ class _CudaMoE(torch.autograd.Function):
             d_ab, dw_rows, hw = mok_gemm.fc2_dgrad_swiglu(d_out, fc2, ab, offsets, counts, w_disp,
                                                           tile_rows=call.segment_rows, want_h=True)
         else:
-            g = _fc2_dgrad(call, d_out, fc2, offsets)                           # dL/d(hw) [R, I]
+            g = _row_gemm(call, mok_gemm.fc2_dgrad, d_out, fc2, offsets, False)  # dL/d(hw) [R, I]
             d_ab, dw_rows, hw = swiglu_ops.swiglu_backward(ab, w_disp, g, offsets, True)
         d_fc2 = _weight_grad(call, d_out, hw, offsets)                          # [L, H, I]
         d_fc1 = _weight_grad(call, d_ab, x_disp, offsets)                       # [L, 2I, H]
-        dx_rows = _fc1_dgrad(call, d_ab, fc1, offsets)                          # [R, H]
+        dx_rows = _row_gemm(call, mok_gemm.fc1_dgrad, d_ab, fc1, offsets, False)  # [R, H]
         comm_ops.push_rows(ws.bases, ws.layout.slots, ws.layout.scalars, table, offsets, K, dx_rows, dw_rows,
                            call.comm_blocks)
         ws.barrier(SITE_BWD_COMBINE, call.timeout_s)
