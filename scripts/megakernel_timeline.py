@@ -153,6 +153,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the rank-0 chart (and with --npz every rank's records) here")
     ap.add_argument("--npz", action="store_true", help="also save the raw records")
     ap.add_argument("--milestones", action="store_true", help="print the minibatch milestones")
+    ap.add_argument("--training", action="store_true",
+                    help="forward with grad: the launch also writes the activations the backward reads")
     args = ap.parse_args()
 
     distributed = "RANK" in os.environ
@@ -171,6 +173,8 @@ def main() -> None:
     w = torch.rand(T, K, device="cuda", generator=g)
     fc1 = (torch.randn(L, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
     fc2 = (torch.randn(L, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
+    if args.training:  # the outputs' graphs (and saved activations) are dropped call by call
+        x.requires_grad_(True)
     group = dist.group.WORLD if distributed else None
     flop = 6 * T * K * H * I
     for text in args.settings:
@@ -178,7 +182,7 @@ def main() -> None:
 
         def call():
             return mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg, backend="megakernel")
-        with torch.no_grad():
+        with torch.set_grad_enabled(args.training):
             os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
             for _ in range(2):
                 call()
@@ -213,7 +217,7 @@ def main() -> None:
         items, ctas = decode(records)
         ms = statistics.median(times)
         label = (f"rank {rank}/{P} L={L} T={T} H={H} I={I} K={K} comm={tr['comm_ctas']} mb={tr['minibatch_rows']} "
-                 f"ring={tr['ring_rows']}: {ms:.3f} ms untraced ({flop / ms / 1e9:.0f} TFLOP/s); back to back "
+                 f"ring={tr['ring_rows']}{' training' if args.training else ''}: {ms:.3f} ms untraced ({flop / ms / 1e9:.0f} TFLOP/s); back to back "
                  f"{stream_ms:.3f} ms/call, host {host_ms:.3f} ms/call")
         lines = summarize(items, ctas, H=H, I=I, mb_rows=tr["minibatch_rows"], label=label)
         if not args.milestones:

@@ -125,20 +125,21 @@ def test_import_without_gpu():
 
 def test_cuda_backend_swiglu_mode_from_the_environment(monkeypatch):
     """MOK_CUDA_SWIGLU picks where the cuda backend's Hopper GEMMs run SwiGLU (forward, backward); a
-    bad value is a clear error; a shape the fused data gradient's tile does not fit runs the
-    separate SwiGLU backward."""
+    bad value is a clear error; a shape MoK's GEMMs do not take fuses nothing."""
     from megatron_mok.functional import cuda_backend
     from megatron_mok.functional.validate import MoEShape
 
     kimi = MoEShape(tokens=4096, hidden=7168, topk=8, experts_per_rank=6, ffn_hidden=2048)
-    odd = MoEShape(4096, 4096, 8, 16, 1280)  # I = 1280: not a multiple of the t64 backward tile (512)
+    odd = MoEShape(4096, 4096, 8, 16, 1152)  # I = 1152: not a multiple of the Hopper GEMMs' 256
     monkeypatch.delenv("MOK_GROUPED_GEMM", raising=False)
     monkeypatch.delenv(cuda_backend.SWIGLU_ENV, raising=False)
-    assert cuda_backend.fused_swiglu_apply(kimi, 128) == (True, False)  # the default: "forward"
+    assert cuda_backend.fused_swiglu_apply(kimi, 128) == (True, True)  # the default: "fused"
+    monkeypatch.setenv(cuda_backend.SWIGLU_ENV, "forward")
+    assert cuda_backend.fused_swiglu_apply(kimi, 128) == (True, False)
     monkeypatch.setenv(cuda_backend.SWIGLU_ENV, "fused")
-    assert cuda_backend.fused_swiglu_apply(kimi, 128) == (True, True)
-    assert cuda_backend.fused_swiglu_apply(odd, 64) == (True, False)
-    assert cuda_backend.fused_swiglu_apply(odd, 128) == (True, True)
+    assert cuda_backend.fused_swiglu_apply(kimi, 64) == (True, True)
+    assert cuda_backend.fused_swiglu_apply(odd, 64) == (False, False)
+    assert cuda_backend.fused_swiglu_apply(odd, 128) == (False, False)
     monkeypatch.setenv("MOK_GROUPED_GEMM", "torch")  # no Hopper GEMMs: nothing to fuse into
     assert cuda_backend.fused_swiglu_apply(kimi, 128) == (False, False)
     monkeypatch.delenv("MOK_GROUPED_GEMM")

@@ -43,20 +43,6 @@ MOK_ERR_INVALID_ARGUMENT = -1
 
 # ---- CPU: gate, shape rules, tunables --------------------------------------------------------
 
-@pytest.mark.parametrize("shape,needs_grad,message", [
-    (MoEShape(4096, 7168, 8, 6, 2048), False, None),
-    (MoEShape(4096, 7168, 8, 6, 2048), True, "the call needs a backward"),
-    (MoEShape(4096, 7168, 8, 192, 2048), False, "about 171 routed rows per local expert, below 256"),
-    (MoEShape(4096, 7168, 8, 128, 2048), False, None),  # exactly 256 rows per expert
-])
-def test_auto_prefers_cuda_for_backwards_and_few_rows_per_expert(shape, needs_grad, message):
-    reason = mkb.auto_prefers_cuda(shape, needs_grad)
-    if message is None:
-        assert reason is None
-    else:
-        assert reason is not None and message in reason
-
-
 @pytest.mark.parametrize("shape,config,message", [
     (KIMI, MoKConfig(), None),
     (MoEShape(1, 1024, 1, 1, 128), MoKConfig(), None),
@@ -83,24 +69,23 @@ def test_explicit_megakernel_on_cpu_says_why(monkeypatch):
         mok_moe(x, ids, w, fc1, fc2, backend="megakernel")
 
 
-def test_selection_auto_logs_one_line_when_it_takes_cuda(monkeypatch, caplog):
+def test_selection_auto_takes_the_megakernel_and_logs_one_line_when_it_cannot(monkeypatch, caplog):
     # Stand-ins for a CUDA tensor and a working GPU stack: only the megakernel's own rules decide.
     monkeypatch.setattr(backends, "gpu_backend_blocker", lambda x: None)
     monkeypatch.setattr(backends, "cuda_blocker", lambda x, shape, config: None)
     x = SimpleNamespace(is_cuda=True)
+    many = MoEShape(4096, 7168, 8, 6, 2048)  # ~5,500 rows per local expert
+    for shape in (KIMI, many):  # training and inference alike: there is no grad argument
+        assert backends.select_backend("auto", x, shape, MoKConfig(), 2) == "megakernel"
+    assert backends.select_backend("megakernel", x, KIMI, MoKConfig(), 2) == "megakernel"
+    with pytest.raises(BackendUnavailable, match="tile_rows=64"):
+        backends.select_backend("megakernel", x, KIMI, MoKConfig(tile_rows=64), 2)
     backends._log_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="megatron_mok"):
         for _ in range(3):
-            assert backends.select_backend("auto", x, KIMI, MoKConfig(), 2, needs_grad=True) == "cuda"
+            assert backends.select_backend("auto", x, KIMI, MoKConfig(tile_rows=64), 2) == "cuda"
     lines = [r.getMessage() for r in caplog.records if "auto uses the cuda backend" in r.getMessage()]
-    assert len(lines) == 1 and "needs a backward" in lines[0]
-    many = MoEShape(4096, 7168, 8, 6, 2048)  # ~5,500 rows per local expert
-    assert backends.select_backend("auto", x, many, MoKConfig(), 2) == "megakernel"
-    assert backends.select_backend("auto", x, KIMI, MoKConfig(), 2) == "cuda"  # few rows per expert
-    assert backends.select_backend("megakernel", x, KIMI, MoKConfig(), 2, needs_grad=True) == "megakernel"
-    with pytest.raises(BackendUnavailable, match="tile_rows=64"):
-        backends.select_backend("megakernel", x, KIMI, MoKConfig(tile_rows=64), 2)
-    assert backends.select_backend("auto", x, KIMI, MoKConfig(tile_rows=64), 2) == "cuda"
+    assert len(lines) == 1 and "tile_rows=64" in lines[0], lines
 
 
 def test_tunables_resolve_within_the_rules():
@@ -621,12 +606,11 @@ def test_megakernel_timeout_names_the_missing_rank_and_returns_nan():
 
 
 @pytest.mark.gpu
-def test_auto_picks_the_megakernel_for_forward_only_calls_with_many_rows_per_expert():
+def test_auto_picks_the_megakernel_on_this_gpu():
     x = torch.zeros(4096, 1024, dtype=torch.bfloat16, device="cuda")
-    shape = MoEShape(4096, 1024, 2, 4, 512)
-    assert backends.select_backend("auto", x, shape, MoKConfig(), 1) == "megakernel"
-    assert backends.select_backend("auto", x, shape, MoKConfig(), 1, needs_grad=True) == "cuda"
-    assert backends.select_backend("auto", x, MoEShape(8, 1024, 2, 4, 512), MoKConfig(), 1) == "cuda"
+    for shape in (MoEShape(4096, 1024, 2, 4, 512), MoEShape(8, 1024, 2, 4, 512)):
+        assert backends.select_backend("auto", x, shape, MoKConfig(), 1) == "megakernel"
+    assert backends.select_backend("auto", x, MoEShape(8, 1024, 2, 4, 512), MoKConfig(tile_rows=64), 1) == "cuda"
 
 
 # ------------------------------------------------------------------------------------------

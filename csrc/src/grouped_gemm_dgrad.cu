@@ -12,14 +12,17 @@ using namespace mok::gemm;
 
 namespace {
 
-constexpr int kWgn = 256;
+constexpr int kSlice = 256;  // columns per router-weight partial sum (SwiGLUBackwardEpilogue)
 
+// 128 x 256 tiles (64 x 256 for BM = 64: two warpgroups of 128 columns, so that the staging
+// buffers leave four pipeline stages).
 template <int BM, bool kMc>
 int fc2_dgrad_swiglu(const void* dy, const void* w2, const void* gu, const int32_t* offsets,
                      const int32_t* counts, const float* scale, void* dgu, void* h, float* dscale,
                      float* scratch, int64_t rows_cap, int L, int H, int I, int num_ctas,
                      cudaStream_t stream) {
-  using Cfg = RowCfg<BM, kWgn, BLayout::kMNMajor, false, kMc>;
+  // Staging buffers on (the offloaded epilogue reads the bf16 dh tile from them).
+  using Cfg = RowCfg<BM, BM == 128 ? 256 : 128, BLayout::kMNMajor, true, kMc>;
   MOK_REQUIRE(H % kBK == 0 && I % Cfg::BN == 0);
   if (rows_cap < BM) return MOK_OK;  // no full row block: the layout is empty
   RowKernelParams<SwiGLUBackwardEpilogue> p{};
@@ -38,7 +41,7 @@ int fc2_dgrad_swiglu(const void* dy, const void* w2, const void* gu, const int32
   p.rows_cap = rows_cap;
   rc = launch_row_gemm<Cfg>(p, num_ctas, stream);
   if (rc != MOK_OK || scale == nullptr) return rc;
-  return sum_partials(scratch, I / kWgn, offsets, L, rows_cap, dscale, stream);
+  return sum_partials(scratch, I / kSlice, offsets, L, rows_cap, dscale, stream);
 }
 
 // out[R, N] = a[R, K] * W_e with W_e = w[e] as [K, N] (MN-major B).

@@ -5,32 +5,17 @@
 
 #include "mok/cuda_check.cuh"
 #include "mok/swiglu.h"
+#include "mok/swiglu_math.cuh"
 
 namespace {
+
+using mok::pack8;
+using mok::sigmoid;
+using mok::unpack8;
 
 constexpr int kWarp = 32;
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / kWarp;
-
-__device__ inline void unpack8(const uint4& v, float (&f)[8]) {
-  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    float2 x = __bfloat1622float2(p[q]);
-    f[2 * q] = x.x;
-    f[2 * q + 1] = x.y;
-  }
-}
-
-__device__ inline uint4 pack8(const float (&f)[8]) {
-  uint4 v;
-  __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) p[q] = __floats2bfloat162_rn(f[2 * q], f[2 * q + 1]);
-  return v;
-}
-
-__device__ inline float sigmoid(float x) { return 1.f / (1.f + __expf(-x)); }
 
 __global__ void __launch_bounds__(kThreads) swiglu_forward_kernel(
     const uint4* __restrict__ ab, const float* __restrict__ w, const int32_t* __restrict__ offsets,
@@ -64,31 +49,23 @@ __global__ void __launch_bounds__(kThreads) swiglu_backward_kernel(
        r += gridDim.x * kWarpsPerBlock) {
     const float scale = w != nullptr ? w[r] : 1.f;
     const uint4* row = ab + (int64_t)r * 2 * vecs;
-    float dot = 0.f;  // this lane's part of dw[r], summed in a fixed order
-    for (int v = lane; v < vecs; v += kWarp) {
-      float a[8], b[8], gg[8], da[8], db[8], h[8];
-      unpack8(row[v], a);
-      unpack8(row[vecs + v], b);
-      unpack8(g[(int64_t)r * vecs + v], gg);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const float sig = sigmoid(a[q]);
-        const float silu = a[q] * sig;
-        const float dh = gg[q] * scale;
-        dot += gg[q] * silu * b[q];
-        da[q] = dh * b[q] * (sig * (1.f + a[q] * (1.f - sig)));
-        db[q] = dh * silu;
-        h[q] = scale * silu * b[q];
+    // dw[r] is summed in the order of the fused fc2 data gradient's epilogue (kernels.cuh):
+    // a warp-wide sum per 256 channels, then those sums in channel order.
+    float dot = 0.f;
+    for (int v0 = 0; v0 < vecs; v0 += kWarp) {
+      const int v = v0 + lane;
+      float part = 0.f;
+      if (v < vecs) {
+        uint4 da, db, h;
+        part = mok::swiglu_backward8(row[v], row[vecs + v], g[(int64_t)r * vecs + v], scale, da,
+                                     db, h);
+        d_ab[(int64_t)r * 2 * vecs + v] = da;
+        d_ab[(int64_t)r * 2 * vecs + vecs + v] = db;
+        if (hw != nullptr) hw[(int64_t)r * vecs + v] = h;
       }
-      d_ab[(int64_t)r * 2 * vecs + v] = pack8(da);
-      d_ab[(int64_t)r * 2 * vecs + vecs + v] = pack8(db);
-      if (hw != nullptr) hw[(int64_t)r * vecs + v] = pack8(h);
+      if (dw != nullptr) dot += mok::warp_sum(part);
     }
-    if (dw != nullptr) {
-#pragma unroll
-      for (int d = kWarp / 2; d > 0; d >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, d);
-      if (lane == 0) dw[r] = dot;
-    }
+    if (dw != nullptr && lane == 0) dw[r] = dot;
   }
 }
 

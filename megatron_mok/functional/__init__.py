@@ -71,8 +71,6 @@ def mok_moe(
         raise MoKConfigError(f"config must be a MoKConfig or None, got {type(config).__name__}")
     ep_size, _ = group_size_rank(ep_group)
     config.check_experts(ep_size, shape.experts_per_rank)
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, topk_weights, fc1_weight, fc2_weight))
-    name = select_backend(backend, x, shape, config, ep_size, needs_grad=needs_grad)
+    name = select_backend(backend, x, shape, config, ep_size)
     return run_backend(name, x, topk_ids, topk_weights, fc1_weight, fc2_weight,
                        ep_group=ep_group, config=config, shape=shape)

@@ -1,10 +1,9 @@
 """Which backend runs a ``mok_moe`` call, and running it.
 
-``auto`` picks the fastest backend that can take the call, as measured on H200s
-(docs/perf-notes.md): ``megakernel`` when it supports the shape and
-:func:`megakernel_backend.auto_prefers_cuda` finds no reason to prefer ``cuda`` (a call that
-needs a backward, few rows per expert), else ``cuda`` on an sm_90 GPU with the MoK library
-loaded, else ``reference``. A backend named explicitly that cannot run raises
+``auto`` takes the ``megakernel`` whenever it supports the call (shape, tile rows, an sm_90 GPU
+with the MoK library loaded), for training and inference alike; else ``cuda`` when it can run,
+else ``reference``. The two GPU backends give bitwise the same outputs and gradients (the
+megakernel's backward is the cuda backend's). A backend named explicitly that cannot run raises
 :class:`BackendUnavailable` with the reason; ``auto`` logs one line with the reason when it does
 not take the megakernel or falls back from a GPU backend.
 """
@@ -75,10 +74,8 @@ def megakernel_blocker(x: torch.Tensor, shape: MoEShape, config: MoKConfig, ep_s
     return megakernel_backend.unsupported_reason(shape, config, ep_size)
 
 
-def select_backend(requested: str, x: torch.Tensor, shape: MoEShape, config: MoKConfig, ep_size: int,
-                   needs_grad: bool = False) -> str:
-    """Resolve ``requested`` ("auto" or a backend name) to the backend that runs the call.
-    ``needs_grad``: the call's output will be differentiated (``auto`` takes it into account)."""
+def select_backend(requested: str, x: torch.Tensor, shape: MoEShape, config: MoKConfig, ep_size: int) -> str:
+    """Resolve ``requested`` ("auto" or a backend name) to the backend that runs the call."""
     if requested == "reference":
         return "reference"
     if requested == "cuda":
@@ -96,11 +93,7 @@ def select_backend(requested: str, x: torch.Tensor, shape: MoEShape, config: MoK
         return "reference"
     reason = megakernel_blocker(x, shape, config, ep_size)
     if reason is None:
-        from .megakernel_backend import auto_prefers_cuda
-
-        reason = auto_prefers_cuda(shape, needs_grad)
-        if reason is None:
-            return "megakernel"
+        return "megakernel"
     cuda_reason = cuda_blocker(x, shape, config)
     if cuda_reason is None:
         _log_once(f"megatron-mok: auto uses the cuda backend, not the megakernel: {reason}")

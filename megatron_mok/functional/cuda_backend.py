@@ -62,25 +62,25 @@ def hopper_gemms_apply(shape: MoEShape, tile_rows: int) -> bool:
 
 SWIGLU_ENV = "MOK_CUDA_SWIGLU"
 SWIGLU_MODES = ("forward", "fused", "separate")
-SWIGLU_DEFAULT = "forward"
-"""Where the cuda backend runs SwiGLU with MoK's Hopper GEMMs (``MOK_CUDA_SWIGLU``): ``forward``
-fuses it into fc1's epilogue and runs the backward as the plain fc2 data gradient plus the
-separate SwiGLU-backward kernel; ``fused`` fuses both; ``separate`` fuses neither. The default is
-what the layer benchmark measured fastest on two H200s (docs/perf-notes.md, fourth session): the
-fused forward 0-2% faster per layer, the fused backward 2-4% slower."""
+SWIGLU_DEFAULT = "fused"
+"""Where the cuda backend runs SwiGLU with MoK's Hopper GEMMs (``MOK_CUDA_SWIGLU``): ``fused``
+fuses it into fc1's epilogue and into the fc2 data gradient's; ``forward`` fuses only fc1 and runs
+the backward as the plain fc2 data gradient plus the separate SwiGLU-backward kernel (bitwise the
+same gradients as ``fused``: tests/test_grouped_gemm.py); ``separate`` fuses neither. The fused
+data gradient was measured 1.03-1.43x faster than the plain one plus the separate kernel on one
+H200 (docs/perf-notes.md, fifth session)."""
 
 
 def fused_swiglu_apply(shape: MoEShape, tile_rows: int) -> tuple:
     """(forward, backward): whether fc1 runs with the SwiGLU epilogue, and whether the fc2 data
     gradient runs with the SwiGLU-backward epilogue. Both need MoK's Hopper GEMMs
-    (:func:`hopper_gemms_apply`); the fused backward also needs I to fill its column tiles."""
+    (:func:`hopper_gemms_apply`)."""
     mode = os.environ.get(SWIGLU_ENV, SWIGLU_DEFAULT)
     if mode not in SWIGLU_MODES:
         raise ValueError(f"{SWIGLU_ENV}={mode!r}: expected one of {', '.join(SWIGLU_MODES)}")
     if mode == "separate" or not hopper_gemms_apply(shape, tile_rows):
         return False, False
-    v = mok_gemm.variant("fc2_dgrad_swiglu", tile_rows)
-    return True, mode == "fused" and shape.ffn_hidden % (v.wg_n * 128 // v.block_m) == 0
+    return True, mode == "fused"  # the fused backward's 256-column tiles fit every such I
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,8 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.T
 
 # The expert GEMMs: MoK's Hopper kernels wherever the shape allows (each was measured at or above
 # torch._grouped_mm's speed, docs/perf-notes.md, fourth session), torch._grouped_mm otherwise.
-# By default fc1 has SwiGLU in its epilogue and the backward runs the plain fc2 data gradient,
-# then the separate SwiGLU-backward kernel (MOK_CUDA_SWIGLU, above).
+# By default fc1 has SwiGLU in its epilogue and the fc2 data gradient the SwiGLU backward in its
+# (MOK_CUDA_SWIGLU, above).
 
 def _row_gemm(call: _Call, ours, a, w, offsets, w_is_n_by_k: bool):
     """The row-grouped GEMM out[rows of e] = a[rows of e] @ W_e, with W_e = w[e]^T when w is

@@ -2,10 +2,9 @@
 (after the schedule kernel), the backward with the ``cuda`` backend's kernels on activations the
 launch writes.
 
-Validated on H200s (P = 1, virtual ranks, P = 2: tests/test_megakernel.py). ``auto`` takes it
-for calls without a backward and with many rows per expert (:func:`auto_prefers_cuda`, from the
-measurements in docs/perf-notes.md); ``backend="megakernel"`` (``--mok-backend megakernel``)
-takes it whenever the shape allows.
+Validated on H200s (P = 1, virtual ranks, P = 2: tests/test_megakernel.py). ``auto`` (the
+default) and ``backend="megakernel"`` (``--mok-backend megakernel``) take it whenever the shape
+allows (:func:`unsupported_reason`).
 
 Forward, on every rank:
 
@@ -56,29 +55,6 @@ def last_trace() -> Dict[str, object]:
     return dict(_last_trace)
 
 BLOCK_ROWS = mk_ops.BLOCK_ROWS
-
-
-AUTO_MIN_ROWS_PER_EXPERT = 256
-"""``auto`` prefers the cuda backend below this many routed rows per local expert (T * K / L).
-Measured on 2 H200s, T = 4096, K = 8 (docs/perf-notes.md, 2026-11-30): at 256 rows per expert
-(DeepSeek-V3, 128 per GPU) the megakernel's forward was 2% faster than the cuda backend's even
-with the training copies, at ~5,500 (6 per GPU) 9% faster without grad; at ~170 (Kimi-K2, 192
-per GPU) 4% slower without grad (every expert's second 128-row block is two-thirds padding, and
-the weight-bound fc1 tiles cannot hide it). No shape between 170 and 256 was measured."""
-
-
-def auto_prefers_cuda(shape: MoEShape, needs_grad: bool) -> Optional[str]:
-    """Why ``auto`` should run this call on the ``cuda`` backend although the megakernel takes
-    it, or None to take the megakernel."""
-    if needs_grad:
-        return ("the call needs a backward, and the megakernel's forward with the activations the "
-                "backward reads was measured 2-8% slower than the cuda backend's (docs/perf-notes.md); "
-                "--mok-backend megakernel forces it")
-    rows = shape.tokens * shape.topk / max(shape.experts_per_rank, 1)
-    if rows < AUTO_MIN_ROWS_PER_EXPERT:
-        return (f"about {rows:.0f} routed rows per local expert, below {AUTO_MIN_ROWS_PER_EXPERT}, where the "
-                "cuda backend is faster (docs/perf-notes.md); backend='megakernel' forces it")
-    return None
 
 
 def unsupported_reason(shape: MoEShape, config: MoKConfig, ep_size: int) -> Optional[str]:

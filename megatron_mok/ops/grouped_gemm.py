@@ -58,15 +58,17 @@ VARIANTS = {
               (128, 256, True, True)),
     "fc2": _variants((128, 256, False, False), (64, 256, False, False), (64, 128, False, False),
               (128, 256, True, False), (64, 128, True, False), (128, 256, True, True)),
-    "fc2_dgrad_swiglu": _variants((128, 256, False, False), (64, 256, False, False), (128, 256, False, True)),
+    # Always staged (tma_store): the consumers stage bf16 dh and the producer warpgroup's spare
+    # warps run the SwiGLU backward from shared memory (SwiGLUBackwardEpilogue).
+    "fc2_dgrad_swiglu": _variants((128, 256, True, False), (64, 128, True, False), (128, 256, True, True)),
     "dgrad": _variants((128, 256, False, False), (64, 256, False, False), (128, 256, True, False),
                 (64, 128, True, False), (128, 256, True, True)),
 }
 DEFAULTS = {
-    "fc1": {128: Variant(128, 256, True, False), 64: Variant(64, 128, False, False)},
+    "fc1": {128: Variant(128, 256, True, False), 64: Variant(64, 256, False, False)},
     "fc2": {128: Variant(128, 256, True, False), 64: Variant(64, 128, True, False)},
-    "fc2_dgrad_swiglu": {128: Variant(128, 256, False, False), 64: Variant(64, 256, False, False)},
-    "dgrad": {128: Variant(128, 256, True, False), 64: Variant(64, 128, True, False)},
+    "fc2_dgrad_swiglu": {128: Variant(128, 256, True, False), 64: Variant(64, 128, True, False)},
+    "dgrad": {128: Variant(128, 256, True, False), 64: Variant(64, 256, False, False)},
 }
 WGRAD_TMA_STORE = True
 """Default epilogue of the bf16 weight gradients (the fp32 ones always store directly)."""
@@ -132,12 +134,15 @@ def variant(kernel: str, tile_rows: int, block_m: Optional[int] = None, wg_n: Op
     """The variant to launch ``kernel`` ("fc1", "fc2", "fc2_dgrad_swiglu" or "dgrad") with on a
     layout padded to ``tile_rows``: the default of :data:`DEFAULTS`, with the arguments that are
     not None replacing its fields (a block_m other than the default's starts from wg_n 256,
-    direct stores, no multicast)."""
+    direct stores, no multicast, or where that is not built from the default of the layout
+    padded to block_m)."""
     if tile_rows not in (64, 128):
         _fail(f"tile_rows = {tile_rows}: the grouped GEMMs take layouts padded to 64 or 128 rows")
     v = DEFAULTS[kernel][tile_rows]
     if block_m is not None and block_m != v.block_m:
         v = Variant(block_m, 256, False, False)
+        if v not in VARIANTS[kernel] and block_m in DEFAULTS[kernel]:
+            v = DEFAULTS[kernel][block_m]
     v = Variant(v.block_m, v.wg_n if wg_n is None else wg_n, v.tma_store if tma_store is None else bool(tma_store),
                 v.multicast if multicast is None else bool(multicast))
     if v.block_m not in (64, 128) or tile_rows % v.block_m:
@@ -210,7 +215,7 @@ def check_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, t
     _router_weight(router_weight, R, dy.device)
     v = variant("fc2_dgrad_swiglu", tile_rows, block_m, multicast=multicast)
     _check_multiple("H", H, 64, "the K step of the kernels")
-    _check_multiple("I", I, 256 * 128 // v.block_m, f"columns of a {v.block_m}-row tile")
+    _check_multiple("I", I, 256, f"columns of a {v.block_m}-row tile")
     return v
 
 
@@ -549,14 +554,17 @@ def fc2_dgrad_swiglu(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tenso
                      num_ctas: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Data gradient of fc2 fused with the SwiGLU backward.
 
-    With dh = dy D_e, (g, u) = gu[r] and w = router_weight[r] (1 when None):
-    dgu[r] = [w dh u silu'(g) | w dh silu(g)]; d_router_weight[r] = sum_i dh silu(g) u.
+    With dh = dy D_e rounded to bf16, (g, u) = gu[r] and w = router_weight[r] (1 when None):
+    dgu[r] = [w dh u silu'(g) | w dh silu(g)]; d_router_weight[r] = sum_i dh silu(g) u. Bitwise
+    what :func:`fc2_dgrad` (same tile) followed by ``swiglu_ops.swiglu_backward`` gives, on the
+    real rows; the SwiGLU part runs in the producer warpgroup's spare warps, overlapped with the
+    next tile's K loop (docs/gemm.md).
 
     Args:
         dy: bf16 [R, H], gradient of fc2's output rows. fc2_weight: bf16 [L, H, I].
         gu: bf16 [R, 2I], fc1's pre-activation (``fc1_swiglu(..., save_preact=True)``).
         offsets, counts, router_weight, tile_rows, block_m, multicast, num_ctas: as in
-        :func:`fc1_swiglu` (this kernel writes directly, with wg_n 256).
+        :func:`fc1_swiglu` (tiles of 256 columns: wg_n 256 at block_m 128, 128 at 64).
         want_h: also return h = w silu(g) u recomputed (the operand of fc2's weight gradient).
 
     Returns:

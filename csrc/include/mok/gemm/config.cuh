@@ -15,11 +15,20 @@ constexpr int kBK = 64;                 // K elements per stage
 constexpr int kConsumerWarpgroups = 2;
 constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
 constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
+constexpr int kOffloadWarps = 3;        // the producer warpgroup's warps besides the TMA thread's
 constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;
+// With an offloaded epilogue the producer warpgroup's warps run the epilogue's loop too.
+constexpr int kOffloadProducerRegisters = 72;
+constexpr int kOffloadConsumerRegisters = 216;
+// setmaxnreg moves registers within the CTA's allocation: 168 per thread under the launch bound.
+static_assert(kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters <= 3 * 168 &&
+                  kOffloadProducerRegisters + kConsumerWarpgroups * kOffloadConsumerRegisters <=
+                      3 * 168,
+              "register split within the launch bound");
 constexpr int kMaxExperts = 1024;       // experts per launch (per-CTA tables in shared memory)
 constexpr int kSmemLimit = 232448;      // sm_90 opt-in dynamic shared memory per block
-// Shared memory after the stages: barriers and the per-CTA expert tables.
+// Shared memory after the stages: barriers (2 * kMaxStages + 2) and the per-CTA expert tables.
 constexpr int kSmemTail = 1024 + 2 * (kMaxExperts + 1) * 4;
 constexpr int kSmemAlign = 1024;        // the 128-byte swizzle pattern repeats every 1024 bytes
 constexpr int kMaxStages = 8;
@@ -33,7 +42,8 @@ enum class BLayout {
 
 // kTmaStore: the epilogue stages the tile in shared memory (WGN * 128 bytes per consumer
 // warpgroup: 64 rows of WGN bf16) and writes it with TMA bulk stores that drain while the next
-// tile's K loop runs; this costs the pipeline a stage in some shapes.
+// tile's K loop runs (an offloaded epilogue needs the same buffers); this costs the pipeline a
+// stage in some shapes.
 // kMulticast: CTAs run in clusters of two that take the two row blocks of a row-block pair of
 // the same expert and column block; each CTA loads half of the B tile and multicasts it to
 // both, halving the L2-to-SM traffic of B (L2 bandwidth, not the tensor cores, is what caps a

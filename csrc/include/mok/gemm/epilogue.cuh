@@ -11,6 +11,10 @@
 // rows a warp touches land in 8 different 16-byte chunks), and one thread issues TMA bulk
 // stores that drain while the warpgroup already runs the next tile's K loop. The staging
 // buffer is reused only after that thread's previous bulk stores have finished reading it.
+//
+// An epilogue with kOffload (the SwiGLU backward) instead has offload<Cfg>(params, tile,
+// staging, e): the consumers stage their bf16 tile and go on, and warps 1-3 of the producer
+// warpgroup run the epilogue from the staging buffers (row_gemm_kernel in kernels.cuh).
 #pragma once
 
 #include <cuda.h>
@@ -18,11 +22,18 @@
 
 #include <cstdint>
 
+#include "mok/gemm/config.cuh"
 #include "mok/gemm/ptx.cuh"
 #include "mok/gemm/scheduler.cuh"
+#include "mok/swiglu_math.cuh"
 
 namespace mok {
 namespace gemm {
+
+using ::mok::sigmoid;
+using ::mok::silu;
+using ::mok::swiglu_backward8;
+using ::mok::warp_sum;
 
 // The rows and the first column a thread's fragment covers.
 struct Fragment {
@@ -35,13 +46,34 @@ struct Fragment {
   }
 };
 
-// The SwiGLU math divides with __fdividef (MUFU.RCP and a multiply), not the IEEE `/`: the
-// IEEE division compiles to a branch into a called slow-path subroutine, and with it in the
-// epilogue the fused fc1 ran 10-37% slower than the same tile with a plain store (measured on
-// the H200, docs/perf-notes.md fourth session). __fdividef is within 2 ulp; for a denominator
-// above 2^126 (g < -87) it returns 0, which is the limit of silu and of sigmoid there.
-__device__ __forceinline__ float sigmoid(float g) { return __fdividef(1.f, 1.f + __expf(-g)); }
-__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.f + __expf(-g)); }
+// ---- direct stores ---------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The 4 lanes of a quad (lane % 4 = q) share their fragment rows; for 4 consecutive 8-column
+// blocks k = 0..3, lane q holds the bf16 pair x[k] at columns 2q, 2q + 1 of block k. A 4 x 4
+// transpose over the quad (two xor-shuffle rounds, 4 shuffles) gives lane q the whole block q,
+// columns 0..7 in order: one 16-byte store instead of four 4-byte ones, and whole 32-byte
+// sectors per row. All 32 lanes must call it (the shuffles take the full warp).
+__device__ __forceinline__ uint4 quad_transpose(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3) {
+  const int q = threadIdx.x % 4;
+  const bool b0 = q & 1, b1 = q & 2;
+  // Round 1 (lanes q, q ^ 2): keep the blocks with bit 1 = b1, receive the partner's.
+  const uint32_t a0 = b1 ? x2 : x0, a1 = b1 ? x3 : x1;  // own, blocks 2 b1 and 2 b1 + 1
+  const uint32_t a2 = __shfl_xor_sync(0xffffffffu, b1 ? x0 : x2, 2);  // lane q ^ 2's, block 2 b1
+  const uint32_t a3 = __shfl_xor_sync(0xffffffffu, b1 ? x1 : x3, 2);  // ... block 2 b1 + 1
+  // Round 2 (lanes q, q ^ 1): keep block q, receive lane q ^ 1's and q ^ 3's pairs of block q.
+  const uint32_t z0 = b0 ? a1 : a0;  // from lane q
+  const uint32_t z2 = b0 ? a3 : a2;  // from lane q ^ 2
+  const uint32_t z1 = __shfl_xor_sync(0xffffffffu, b0 ? a0 : a1, 1);  // from lane q ^ 1
+  const uint32_t z3 = __shfl_xor_sync(0xffffffffu, b0 ? a2 : a3, 1);  // from lane q ^ 3
+  // Column pair m of block q came from lane m = q ^ d, d = m ^ q.
+  const uint32_t u0 = b0 ? z1 : z0, u1 = b0 ? z0 : z1, u2 = b0 ? z3 : z2, u3 = b0 ? z2 : z3;
+  return make_uint4(b1 ? u2 : u0, b1 ? u3 : u1, b1 ? u0 : u2, b1 ? u1 : u3);
+}
 
 // ---- staging through shared memory -----------------------------------------------------------
 
@@ -50,6 +82,26 @@ __device__ __forceinline__ void stage_pair(uint8_t* staging, int box, int r, int
                                            float v1) {
   uint8_t* p = staging + box * 8192 + r * 128 + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
+}
+
+// A warpgroup's whole 64 x WGN accumulator, rounded to bf16, into its staging buffer (WGN / 64
+// boxes of 64 x 64).
+template <int WGN>
+__device__ __forceinline__ void stage_tile(uint8_t* staging, const float (&acc)[WGN / 2]) {
+  const Fragment f;
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int i = 0; i < WGN / 8; ++i)
+      stage_pair(staging, i / 8, f.row + 8 * j, (i % 8) * 8 + f.col, acc[4 * i + 2 * j],
+                 acc[4 * i + 2 * j + 1]);
+}
+
+// The 16-byte vector of the staging buffer that holds row r (0..63), columns 8v .. 8v + 7 of a
+// warpgroup's tile.
+__device__ __forceinline__ const uint4* staged_vector(const uint8_t* staging, int r, int v) {
+  return reinterpret_cast<const uint4*>(staging + (v / 8) * 8192 + r * 128 +
+                                        (((v % 8) ^ (r & 7)) << 4));
 }
 
 // All 128 threads of warpgroup cw: wait until the staging buffer is free again.
@@ -75,6 +127,7 @@ __device__ __forceinline__ void staging_finish() {
 // accumulator. Padding rows (>= row_end) get zeros. Optionally stores the pre-activation
 // [gate | up] (bf16, the fc1 output the backward needs).
 struct SwiGLUForwardEpilogue {
+  static constexpr bool kOffload = false;
   struct Params {
     __nv_bfloat16* h;      // [rows_cap, I]
     __nv_bfloat16* gu;     // [rows_cap, 2I] or null
@@ -85,27 +138,41 @@ struct SwiGLUForwardEpilogue {
   template <int WGN>
   __device__ __forceinline__ static void apply(const Params& p, const RowTile& t, int wm, int wn,
                                                int bn, float (&acc)[WGN / 2], uint8_t*, int) {
+    constexpr int kBlocks = WGN / 16;  // 8-column blocks of h (and of each gu half)
     const Fragment f;
-    const int h0 = t.col_block * (bn / 2) + wn * (WGN / 2) + f.col;
+    const int q = threadIdx.x % 4;
+    const int h0 = t.col_block * (bn / 2) + wn * (WGN / 2) + 8 * q;  // this lane's block in a group
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int row = t.row0 + wm * 64 + f.row + 8 * j;
-      if (row >= p.rows_cap) continue;
+      const bool store = row < p.rows_cap;  // the shuffles need every lane: predicate the stores
       const bool real = row < t.row_end;
-      const float w = (p.scale != nullptr && real) ? p.scale[row] : 1.f;
+      const float w = (p.scale != nullptr && real && store) ? p.scale[row] : 1.f;
       __nv_bfloat16* hrow = p.h + static_cast<int64_t>(row) * p.inter;
 #pragma unroll
-      for (int i = 0; i < WGN / 16; ++i) {
-        float g0 = acc[4 * i + 2 * j], g1 = acc[4 * i + 2 * j + 1];
-        float u0 = acc[4 * (i + WGN / 16) + 2 * j], u1 = acc[4 * (i + WGN / 16) + 2 * j + 1];
-        if (!real) g0 = g1 = u0 = u1 = 0.f;
-        const int c = h0 + 8 * i;
-        *reinterpret_cast<__nv_bfloat162*>(hrow + c) =
-            __floats2bfloat162_rn(silu(g0) * u0 * w, silu(g1) * u1 * w);
+      for (int i0 = 0; i0 < kBlocks; i0 += 4) {
+        uint32_t hx[4], gx[4], ux[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int i = i0 + k;
+          float g0 = acc[4 * i + 2 * j], g1 = acc[4 * i + 2 * j + 1];
+          float u0 = acc[4 * (i + kBlocks) + 2 * j], u1 = acc[4 * (i + kBlocks) + 2 * j + 1];
+          if (!real) g0 = g1 = u0 = u1 = 0.f;
+          hx[k] = bf16x2_bits(silu(g0) * u0 * w, silu(g1) * u1 * w);
+          gx[k] = bf16x2_bits(g0, g1);
+          ux[k] = bf16x2_bits(u0, u1);
+        }
+        const int c = h0 + 8 * i0;
+        const uint4 hv = quad_transpose(hx[0], hx[1], hx[2], hx[3]);
+        if (store) *reinterpret_cast<uint4*>(hrow + c) = hv;
         if (p.gu != nullptr) {
-          __nv_bfloat16* grow = p.gu + static_cast<int64_t>(row) * 2 * p.inter;
-          *reinterpret_cast<__nv_bfloat162*>(grow + c) = __floats2bfloat162_rn(g0, g1);
-          *reinterpret_cast<__nv_bfloat162*>(grow + p.inter + c) = __floats2bfloat162_rn(u0, u1);
+          const uint4 gv = quad_transpose(gx[0], gx[1], gx[2], gx[3]);
+          const uint4 uv = quad_transpose(ux[0], ux[1], ux[2], ux[3]);
+          if (store) {
+            __nv_bfloat16* grow = p.gu + static_cast<int64_t>(row) * 2 * p.inter;
+            *reinterpret_cast<uint4*>(grow + c) = gv;
+            *reinterpret_cast<uint4*>(grow + p.inter + c) = uv;
+          }
         }
       }
     }
@@ -116,6 +183,7 @@ struct SwiGLUForwardEpilogue {
 // The same through the staging buffer (WGN * 128 bytes: WGN / 64 boxes). Round one stores h
 // and (when kept) the gate half of gu, round two the up half.
 struct SwiGLUForwardTmaEpilogue {
+  static constexpr bool kOffload = false;
   struct Params {
     CUtensorMap map_h;   // h [rows_cap, I], box {64, 64}
     CUtensorMap map_gu;  // gu [rows_cap, 2I], box {64, 64} (unused without gu)
@@ -187,6 +255,7 @@ struct SwiGLUForwardTmaEpilogue {
 // ---- plain bf16 output (fc2 forward, fc1 data gradient) --------------------------------------
 
 struct StoreEpilogue {
+  static constexpr bool kOffload = false;
   struct Params {
     __nv_bfloat16* out;  // [rows_cap, ld]
     int ld;              // N
@@ -196,22 +265,27 @@ struct StoreEpilogue {
   __device__ __forceinline__ static void apply(const Params& p, const RowTile& t, int wm, int wn,
                                                int bn, float (&acc)[WGN / 2], uint8_t*, int) {
     const Fragment f;
-    const int c0 = t.col_block * bn + wn * WGN + f.col;
+    const int c0 = t.col_block * bn + wn * WGN + 8 * (threadIdx.x % 4);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int row = t.row0 + wm * 64 + f.row + 8 * j;
-      if (row >= p.rows_cap) continue;
       __nv_bfloat16* orow = p.out + static_cast<int64_t>(row) * p.ld;
 #pragma unroll
-      for (int i = 0; i < WGN / 8; ++i)
-        *reinterpret_cast<__nv_bfloat162*>(orow + c0 + 8 * i) =
-            __floats2bfloat162_rn(acc[4 * i + 2 * j], acc[4 * i + 2 * j + 1]);
+      for (int i0 = 0; i0 < WGN / 8; i0 += 4) {
+        uint32_t x[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          x[k] = bf16x2_bits(acc[4 * (i0 + k) + 2 * j], acc[4 * (i0 + k) + 2 * j + 1]);
+        const uint4 v = quad_transpose(x[0], x[1], x[2], x[3]);
+        if (row < p.rows_cap) *reinterpret_cast<uint4*>(orow + c0 + 8 * i0) = v;
+      }
     }
   }
   __device__ __forceinline__ static void finish(int) {}
 };
 
 struct TmaStoreEpilogue {
+  static constexpr bool kOffload = false;
   struct Params {
     CUtensorMap map;  // out [rows_cap, N], box {64, 64}
   };
@@ -219,14 +293,8 @@ struct TmaStoreEpilogue {
   __device__ __forceinline__ static void apply(const Params& p, const RowTile& t, int wm, int wn,
                                                int bn, float (&acc)[WGN / 2], uint8_t* staging,
                                                int cw) {
-    const Fragment f;
     staging_acquire(cw);
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int i = 0; i < WGN / 8; ++i)
-        stage_pair(staging, i / 8, f.row + 8 * j, (i % 8) * 8 + f.col, acc[4 * i + 2 * j],
-                   acc[4 * i + 2 * j + 1]);
+    stage_tile<WGN>(staging, acc);
     if (staging_publish(cw)) {
       const int row0 = t.row0 + wm * 64;
       const int col0 = t.col_block * bn + wn * WGN;
@@ -240,103 +308,82 @@ struct TmaStoreEpilogue {
 
 // ---- fc2 data gradient + SwiGLU backward -----------------------------------------------------
 
-// acc = dh = dy * D_e for h columns; with the saved pre-activation (g, u) and router weight w of
-// the row (1 when absent):
-//   d up = w * dh * silu(g),  d gate = w * dh * u * silu'(g),
-//   silu'(g) = s + silu(g) * (1 - s), s = sigmoid(g),
-// written as dgu [R, 2I] (gate half, then up half: the row order of the fc1 weight). When w was
-// applied inside fc1, the row's router-weight gradient is sum_c dh * silu(g) * u: each
-// (row, warpgroup column slice) writes its partial sum to partials[slice][row] in a fixed
-// order, and sum_partials() adds the slices in order. Optionally recomputes the forward's
-// h = w * silu(g) * u (bf16, the fc2 weight gradient's operand). Padding rows get zeros.
-// The (g, u) loads are issued a chunk ahead of their use, so their latency overlaps the math.
+// Offloaded: the consumer warpgroups only round dh = dy * D_e to bf16 into their staging buffers
+// (stage_tile) and go on with the next tile's K loop; the producer warpgroup's three idle warps
+// then run the SwiGLU backward on the staged tile (offload), overlapped with that K loop. With
+// the saved pre-activation (a, b) = (gate, up) and the router weight w of the row (1 when
+// absent) they write dgu [R, 2I] (da, then db: the row order of the fc1 weight),
+// optionally the forward's h = w silu(a) b (the fc2 weight gradient's operand), and when w was
+// applied inside fc1 the row's router-weight gradient: each (row, 256-column slice) writes its
+// warp sum to partials[slice][row], and sum_partials() adds the slices in order. The math and
+// the summation order are those of the separate kernel (mok_swiglu_backward on the plain fc2
+// data gradient's dh), so the two paths agree bitwise. Padding rows get zeros.
+//
+// Before, the consumers ran this math on their fp32 accumulators themselves: the loads of
+// (a, b) and the three stores stalled the tensor cores, and the fused kernel ran at 0.81-1.12x
+// of torch._grouped_mm plus the separate kernel (docs/perf-notes.md, fourth session).
 struct SwiGLUBackwardEpilogue {
+  static constexpr bool kOffload = true;
   struct Params {
     const __nv_bfloat16* gu;  // [rows_cap, 2I]
     const float* scale;       // [rows_cap] or null
     __nv_bfloat16* dgu;       // [rows_cap, 2I]
     __nv_bfloat16* h;         // [rows_cap, I] or null
-    float* partials;          // [I / WGN, rows_cap] when scale != null
+    float* partials;          // [I / 256, rows_cap] when scale != null
     int inter;                // I
     int64_t rows_cap;
   };
-  static constexpr int kChunk = 4;  // n8 column blocks per prefetched chunk
 
-  template <int WGN>
-  __device__ __forceinline__ static void apply(const Params& p, const RowTile& t, int wm, int wn,
-                                               int bn, float (&acc)[WGN / 2], uint8_t*, int) {
-    constexpr int kChunks = WGN / 8 / kChunk;
-    const Fragment f;
-    const int c0 = t.col_block * bn + wn * WGN + f.col;
-    const int slice = (t.col_block * bn + wn * WGN) / WGN;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int row = t.row0 + wm * 64 + f.row + 8 * j;
-      const bool in_range = row < p.rows_cap;
-      const bool real = in_range && row < t.row_end;
-      const float w = (p.scale != nullptr && real) ? p.scale[row] : 1.f;
-      const unsigned* gsrc =
-          reinterpret_cast<const unsigned*>(p.gu + static_cast<int64_t>(row) * 2 * p.inter + c0);
-      const unsigned* usrc = gsrc + p.inter / 2;
-      __nv_bfloat16* drow = p.dgu + static_cast<int64_t>(row) * 2 * p.inter;
-      unsigned gbuf[2][kChunk], ubuf[2][kChunk];
-      if (real) {
-#pragma unroll
-        for (int k = 0; k < kChunk; ++k) {
-          gbuf[0][k] = __ldg(gsrc + 4 * k);
-          ubuf[0][k] = __ldg(usrc + 4 * k);
-        }
+  // Warp e (0 .. kOffloadWarps - 1) of the offload warps, on the staged tile t. A warp takes one
+  // (row, 256-column slice) item at a time, 8 columns per lane, and loads the next item's
+  // (a, b) before it works on the current one.
+  template <class Cfg>
+  __device__ __forceinline__ static void offload(const Params& p, const RowTile& t,
+                                                 const uint8_t* staging, int e) {
+    constexpr int kSlice = 256;  // columns per item: 32 lanes x 8
+    static_assert(Cfg::BN % kSlice == 0, "whole slices per tile");
+    constexpr int kItems = Cfg::BM * (Cfg::BN / kSlice);
+    const int lane = threadIdx.x % 32;
+    const int64_t ld = 2 * static_cast<int64_t>(p.inter);
+    auto load = [&](int item, uint4& a, uint4& b) {
+      const int row = t.row0 + item % Cfg::BM;
+      const int col = t.col_block * Cfg::BN + (item / Cfg::BM) * kSlice + 8 * lane;
+      if (row < t.row_end && row < p.rows_cap) {
+        const uint4* src = reinterpret_cast<const uint4*>(p.gu + row * ld + col);
+        a = __ldg(src);
+        b = __ldg(src + p.inter / 8);
       }
-      float dw = 0.f;
-#pragma unroll
-      for (int ch = 0; ch < kChunks; ++ch) {
-        if (real && ch + 1 < kChunks) {
-#pragma unroll
-          for (int k = 0; k < kChunk; ++k) {
-            gbuf[(ch + 1) & 1][k] = __ldg(gsrc + 4 * ((ch + 1) * kChunk + k));
-            ubuf[(ch + 1) & 1][k] = __ldg(usrc + 4 * ((ch + 1) * kChunk + k));
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < kChunk; ++k) {
-          const int i = ch * kChunk + k;
-          const int c = c0 + 8 * i;
-          float dg[2] = {0.f, 0.f}, du[2] = {0.f, 0.f}, hv[2] = {0.f, 0.f};
-          if (real) {
-            const unsigned gb = gbuf[ch & 1][k], ub = ubuf[ch & 1][k];
-            const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gb));
-            const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ub));
-            const float gv[2] = {g.x, g.y}, uv[2] = {u.x, u.y};
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float dh = acc[4 * i + 2 * j + e];
-              const float s = sigmoid(gv[e]);
-              const float act = gv[e] * s;
-              dw += dh * act * uv[e];
-              hv[e] = act * uv[e] * w;
-              const float dhw = dh * w;
-              du[e] = dhw * act;
-              dg[e] = dhw * uv[e] * (s + act * (1.f - s));
-            }
-          }
-          if (in_range) {
-            *reinterpret_cast<__nv_bfloat162*>(drow + c) = __floats2bfloat162_rn(dg[0], dg[1]);
-            *reinterpret_cast<__nv_bfloat162*>(drow + p.inter + c) =
-                __floats2bfloat162_rn(du[0], du[1]);
-            if (p.h != nullptr)
-              *reinterpret_cast<__nv_bfloat162*>(p.h + static_cast<int64_t>(row) * p.inter + c) =
-                  __floats2bfloat162_rn(hv[0], hv[1]);
-          }
-        }
+    };
+    uint4 a_next = {}, b_next = {};
+    load(e, a_next, b_next);
+    for (int item = e; item < kItems; item += kOffloadWarps) {
+      const uint4 a = a_next, b = b_next;
+      if (item + kOffloadWarps < kItems) load(item + kOffloadWarps, a_next, b_next);
+      const int r = item % Cfg::BM;
+      const int row = t.row0 + r;
+      if (row >= p.rows_cap) continue;
+      const int tile_col = (item / Cfg::BM) * kSlice + 8 * lane;  // column within the tile
+      const int col = t.col_block * Cfg::BN + tile_col;
+      uint4 da = {}, db = {}, hv = {};
+      float part = 0.f;
+      if (row < t.row_end) {
+        const int cw = (tile_col / Cfg::WGN) * Cfg::WM + r / 64;  // the warpgroup that staged it
+        const uint4 g = *staged_vector(staging + cw * Cfg::kStagingBytes, r % 64,
+                                       (tile_col % Cfg::WGN) / 8);
+        const float w = p.scale != nullptr ? p.scale[row] : 1.f;
+        part = swiglu_backward8(a, b, g, w, da, db, hv);
       }
+      uint4* drow = reinterpret_cast<uint4*>(p.dgu + row * ld + col);
+      drow[0] = da;
+      drow[p.inter / 8] = db;
+      if (p.h != nullptr)
+        *reinterpret_cast<uint4*>(p.h + row * static_cast<int64_t>(p.inter) + col) = hv;
       if (p.scale != nullptr) {
-        dw += __shfl_xor_sync(0xffffffffu, dw, 1);
-        dw += __shfl_xor_sync(0xffffffffu, dw, 2);
-        if (in_range && f.col == 0) p.partials[static_cast<int64_t>(slice) * p.rows_cap + row] = dw;
+        part = warp_sum(part);
+        if (lane == 0) p.partials[static_cast<int64_t>(col / kSlice) * p.rows_cap + row] = part;
       }
     }
   }
-  __device__ __forceinline__ static void finish(int) {}
 };
 
 // ---- weight gradients ------------------------------------------------------------------------
@@ -399,14 +446,8 @@ struct WgradTmaEpilogue {
   template <int WGN>
   __device__ __forceinline__ static void apply(const Params& p, const WgradTile& t, int wm,
                                                float (&acc)[WGN / 2], uint8_t* staging, int cw) {
-    const Fragment f;
     staging_acquire(cw);
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int i = 0; i < WGN / 8; ++i)
-        stage_pair(staging, i / 8, f.row + 8 * j, (i % 8) * 8 + f.col, acc[4 * i + 2 * j],
-                   acc[4 * i + 2 * j + 1]);
+    stage_tile<WGN>(staging, acc);
     if (staging_publish(cw)) {
       const int row0 = t.expert * p.M + t.m0 + wm * 64;
 #pragma unroll

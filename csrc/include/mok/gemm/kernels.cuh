@@ -27,6 +27,61 @@ struct RowKernelParams {
   int64_t rows_cap;
 };
 
+// The three roles of a row-GEMM CTA over its tiles t = first, first + step, ... < total
+// (tile_at(t): the tile with linear index t; rank: the CTA's rank in its cluster). Warpgroup 0's
+// first thread issues the TMA loads; with an offloaded epilogue its other three warps run the
+// epilogue on the tiles the consumers staged; warpgroups 1 and 2 multiply.
+template <class Cfg, class Epi, class TileAt>
+__device__ __forceinline__ void run_row_roles(const RowKernelParams<Epi>& p,
+                                              const SmemRing<Cfg>& ring, int first, int step,
+                                              int total, const TileAt& tile_at, int rank) {
+  static_assert(!Epi::kOffload || Cfg::kStagingBytes == Cfg::WGN * 128,
+                "an offloaded epilogue reads the consumers' bf16 tiles from the staging buffers");
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<Epi::kOffload ? kOffloadProducerRegisters : kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      PipeState st;
+      tma_prefetch_descriptor(&p.op.map_a);
+      tma_prefetch_descriptor(&p.op.map_b);
+      for (int t = first; t < total; t += step) load_row_tile<Cfg>(p.op, tile_at(t), ring, st, rank);
+      if constexpr (Cfg::kCluster > 1) ring.drain(st);
+    } else if constexpr (Epi::kOffload) {
+      if (threadIdx.x < 32) return;
+      uint32_t phase = 0;
+      for (int t = first; t < total; t += step) {
+        const RowTile tile = tile_at(t);
+        if (!tile.valid) continue;
+        ring.wait_staged(phase);
+        Epi::template offload<Cfg>(p.epi, tile, ring.staging(0), threadIdx.x / 32 - 1);
+        ring.release_staged();
+        phase ^= 1u;
+      }
+    }
+  } else {
+    setmaxnreg_inc<Epi::kOffload ? kOffloadConsumerRegisters : kConsumerRegisters>();
+    const int cw = wg - 1;
+    const int wm = cw % Cfg::WM, wn = cw / Cfg::WM;
+    PipeState st;
+    uint32_t phase = 0;
+    float acc[Cfg::kAccRegs];
+    for (int t = first; t < total; t += step) {
+      const RowTile tile = tile_at(t);
+      mma_row_tile<Cfg>(p.op, wm, wn, ring, st, acc);
+      if (!tile.valid) continue;
+      if constexpr (Epi::kOffload) {
+        ring.wait_staging_free(phase);
+        stage_tile<Cfg::WGN>(ring.staging(cw), acc);
+        ring.publish_staged();
+        phase ^= 1u;
+      } else {
+        Epi::template apply<Cfg::WGN>(p.epi, tile, wm, wn, Cfg::BN, acc, ring.staging(cw), cw);
+      }
+    }
+    if constexpr (!Epi::kOffload) Epi::finish(cw);
+  }
+}
+
 template <class Cfg, class Epi>
 __global__ void __launch_bounds__(kThreads, 1)
     row_gemm_kernel(const __grid_constant__ RowKernelParams<Epi> p) {
@@ -35,30 +90,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) ring.init_barriers();
   for (int i = threadIdx.x; i <= p.L; i += blockDim.x) ring.table0[i] = p.offsets[i];
   __syncthreads();
-  const int wg = threadIdx.x / 128;
-  PipeState st;
   if constexpr (Cfg::kCluster == 1) {
     const RowScheduler sched(ring.table0, p.counts, p.L, Cfg::BM, p.num_cb, p.rows_cap);
-    if (wg == 0) {
-      setmaxnreg_dec<kProducerRegisters>();
-      if (threadIdx.x == 0) {
-        tma_prefetch_descriptor(&p.op.map_a);
-        tma_prefetch_descriptor(&p.op.map_b);
-        for (int t = blockIdx.x; t < sched.total; t += gridDim.x)
-          load_row_tile<Cfg>(p.op, sched.tile(t), ring, st);
-      }
-    } else {
-      setmaxnreg_inc<kConsumerRegisters>();
-      const int cw = wg - 1;
-      const int wm = cw % Cfg::WM, wn = cw / Cfg::WM;
-      float acc[Cfg::kAccRegs];
-      for (int t = blockIdx.x; t < sched.total; t += gridDim.x) {
-        const RowTile tile = sched.tile(t);
-        mma_row_tile<Cfg>(p.op, wm, wn, ring, st, acc);
-        Epi::template apply<Cfg::WGN>(p.epi, tile, wm, wn, Cfg::BN, acc, ring.staging(cw), cw);
-      }
-      Epi::finish(cw);
-    }
+    run_row_roles<Cfg, Epi>(p, ring, blockIdx.x, gridDim.x, sched.total,
+                            [&](int t) { return sched.tile(t); }, 0);
   } else {
     // Clusters of two: both CTAs walk the same pair tiles, CTA `rank` the rank-th row block.
     if (threadIdx.x == 0)
@@ -67,30 +102,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     cluster_sync();  // barriers initialised and tables built in both CTAs
     const PairRowScheduler sched(ring.table0, ring.table1, p.counts, p.L, Cfg::BM, p.num_cb);
     const int rank = static_cast<int>(cluster_rank());
-    const int cluster = blockIdx.x / Cfg::kCluster;
-    const int clusters = gridDim.x / Cfg::kCluster;
-    if (wg == 0) {
-      setmaxnreg_dec<kProducerRegisters>();
-      if (threadIdx.x == 0) {
-        tma_prefetch_descriptor(&p.op.map_a);
-        tma_prefetch_descriptor(&p.op.map_b);
-        for (int t = cluster; t < sched.total; t += clusters)
-          load_row_tile<Cfg>(p.op, sched.tile(t, rank), ring, st, rank);
-        ring.drain(st);
-      }
-    } else {
-      setmaxnreg_inc<kConsumerRegisters>();
-      const int cw = wg - 1;
-      const int wm = cw % Cfg::WM, wn = cw / Cfg::WM;
-      float acc[Cfg::kAccRegs];
-      for (int t = cluster; t < sched.total; t += clusters) {
-        const RowTile tile = sched.tile(t, rank);
-        mma_row_tile<Cfg>(p.op, wm, wn, ring, st, acc);
-        if (tile.valid)
-          Epi::template apply<Cfg::WGN>(p.epi, tile, wm, wn, Cfg::BN, acc, ring.staging(cw), cw);
-      }
-      Epi::finish(cw);
-    }
+    run_row_roles<Cfg, Epi>(p, ring, blockIdx.x / Cfg::kCluster, gridDim.x / Cfg::kCluster,
+                            sched.total, [&](int t) { return sched.tile(t, rank); }, rank);
   }
 }
 

@@ -37,6 +37,8 @@ struct SmemRing {
   uint8_t* base;
   uint64_t* full;
   uint64_t* empty;
+  uint64_t* staged_full;   // offloaded epilogues: the consumers' tile is in the staging buffers
+  uint64_t* staged_empty;  // ... and the offload warps are done reading it
   int32_t* table0;
   int32_t* table1;
 
@@ -46,7 +48,9 @@ struct SmemRing {
     full = reinterpret_cast<uint64_t*>(base + kStages * kStageBytes +
                                        kConsumerWarpgroups * Cfg::kStagingBytes);
     empty = full + kStages;
-    table0 = reinterpret_cast<int32_t*>(full + 2 * kMaxStages);
+    staged_full = full + 2 * kMaxStages;
+    staged_empty = staged_full + 1;
+    table0 = reinterpret_cast<int32_t*>(staged_full + 2);
     table1 = table0 + kMaxExperts + 1;
   }
   // Epilogue staging buffer of consumer warpgroup cw (1024-byte aligned).
@@ -64,6 +68,8 @@ struct SmemRing {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], kConsumerWarps * Cfg::kCluster);
     }
+    mbar_init(staged_full, kConsumerWarps);
+    mbar_init(staged_empty, kOffloadWarps);
     mbar_fence_init();
   }
 
@@ -87,6 +93,23 @@ struct SmemRing {
       }
     }
   }
+  // Offloaded epilogue, consumer warps: wait until the staging buffers may be written (parity:
+  // the consumer's own phase bit, flipped after every tile) ...
+  __device__ __forceinline__ void wait_staging_free(uint32_t phase) const {
+    mbar_wait(staged_empty, phase ^ 1u);
+  }
+  // ... and, once the warp's part of the tile is written, hand it over.
+  __device__ __forceinline__ void publish_staged() const {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(staged_full);
+  }
+  // Offload warps: wait for a staged tile, and give the buffers back once read.
+  __device__ __forceinline__ void wait_staged(uint32_t phase) const { mbar_wait(staged_full, phase); }
+  __device__ __forceinline__ void release_staged() const {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(staged_empty);
+  }
+
   // Producer side, after its last tile: wait until every stage it filled was released by all
   // consumers (in a cluster: so no peer still arrives on, or reads, this CTA's shared memory
   // after it exits).
