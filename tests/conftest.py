@@ -25,10 +25,11 @@ def gpu_skip_reason(min_gpus: int = 1):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs one sm_90 GPU")
     config.addinivalue_line("markers", "gpu2: needs two sm_90 GPUs")
+    config.addinivalue_line("markers", "gpun: one process per GPU on every GPU (at least two sm_90 GPUs)")
 
 
 def pytest_collection_modifyitems(config, items):
-    reasons = {"gpu": gpu_skip_reason(1), "gpu2": gpu_skip_reason(2)}
+    reasons = {"gpu": gpu_skip_reason(1), "gpu2": gpu_skip_reason(2), "gpun": gpu_skip_reason(2)}
     for item in items:
         for mark, reason in reasons.items():
             if reason is not None and item.get_closest_marker(mark) is not None:
