@@ -16,23 +16,7 @@
 # and OUT_DIR/e2e-compare.txt; the exit status is non-zero when a step failed. Each step has a
 # time limit (the whole stays under 10 minutes on 8 H200s).
 set -uo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root"
-out=${1:-${OUT:-/tmp/mok-all-gpus}}
-mkdir -p "$out"
-py=${MOK_PYTHON_BIN:-python3}
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-failed=0
-step() { echo; echo "=== $* ($(date +%T))"; }
-
-if [ -n "${MOK_LIBRARY:-}" ] && [ -f "$MOK_LIBRARY" ]; then
-  step "library: $MOK_LIBRARY (prebuilt)"
-else
-  step "build"
-  "$py" -m megatron_mok._build --out "$out/lib" || { echo "build failed"; exit 1; }
-  export MOK_LIBRARY="$out/lib/libmegatron_mok.so"
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" "${1:-}" /tmp/mok-all-gpus
 n=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 echo "GPUs: $n"

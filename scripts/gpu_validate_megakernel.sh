@@ -11,23 +11,7 @@
 # exit status is non-zero when a step failed. Every step has a time limit; the whole script
 # stays under 10 minutes.
 set -uo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root"
-out=${1:-${OUT:-/tmp/mok-megakernel}}
-mkdir -p "$out"
-py=${MOK_PYTHON_BIN:-python3}
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-failed=0
-step() { echo; echo "=== $* ($(date +%T))"; }
-
-if [ -n "${MOK_LIBRARY:-}" ] && [ -f "$MOK_LIBRARY" ]; then
-  step "library: $MOK_LIBRARY (prebuilt)"
-else
-  step "build"
-  "$py" -m megatron_mok._build --out "$out/lib" || { echo "build failed"; exit 1; }
-  export MOK_LIBRARY="$out/lib/libmegatron_mok.so"
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" "${1:-}" /tmp/mok-megakernel
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 echo "GPUs: $gpus"

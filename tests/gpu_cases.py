@@ -123,6 +123,21 @@ def check_against_oracle(case: GpuCase, results, label: str, with_grads: bool = 
             assert err < TOL, f"{where}: {name} relative error {err:.3e} (tolerance {TOL})"
 
 
+def check_rank_runs(case: GpuCase, rank: int, runs, label: str) -> None:
+    """One process of a multi-process test: ``runs`` are this rank's (y, dx, dw, d_fc1, d_fc2)
+    from repeated calls; the first must be within :data:`TOL` of the fp32 oracle and every
+    later one bitwise equal to it."""
+    ys, dxs, dws, d1, d2 = oracle(case)
+    want = (ys[rank], dxs[rank], dws[rank], case.local(d1, rank), case.local(d2, rank))
+    names = ("y", "dx", "dw", "d_fc1", "d_fc2")
+    for name, got, ref in zip(names, runs[0], want):
+        err = rel_err(got, ref)
+        assert err < TOL, f"{label} rank {rank}: {name} relative error {err:.3e}"
+    for i, other in enumerate(runs[1:], 1):
+        for name, a, b in zip(names, runs[0], other):
+            assert torch.equal(a, b), f"{label} rank {rank}: {name} differs in run {i}"
+
+
 def assert_equal_runs(a, b, label: str) -> None:
     """Assert two results of :func:`run_case` are bitwise identical."""
     for r, (ra, rb) in enumerate(zip(a, b)):

@@ -18,7 +18,7 @@ from megatron_mok import MoKConfig
 from megatron_mok.functional import MoKTimeoutError, check_errors, mok_moe
 
 from .distributed import run_ranks
-from .gpu_cases import TOL, gpu_case, leaves, oracle, rel_err
+from .gpu_cases import check_rank_runs, gpu_case, leaves
 
 pytestmark = pytest.mark.gpun
 
@@ -65,12 +65,7 @@ def _oracle_worker(rank, world, backend):
             torch.cuda.synchronize()
             check_errors()
             runs.append((y.detach(), x.grad, w.grad, fc1.grad, fc2.grad))
-        ys, dxs, dws, d1, d2 = oracle(case)
-        want = (ys[rank], dxs[rank], dws[rank], case.local(d1, rank), case.local(d2, rank))
-        for name, got, ref, again in zip(("y", "dx", "dw", "d_fc1", "d_fc2"), runs[0], want, runs[1]):
-            err = rel_err(got, ref)
-            assert err < TOL, f"{backend} P={world} rank {rank} {spec}: {name} relative error {err:.3e}"
-            assert torch.equal(got, again), f"{backend} P={world} rank {rank} {spec}: {name} differs between runs"
+        check_rank_runs(case, rank, runs, f"{backend} P={world} {spec}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -629,7 +629,7 @@ P2_SETTINGS = [MoKConfig(), MoKConfig(comm_sms_forward=2, minibatch_rows=128, ri
 def _p2_worker(rank, world, specs):
     import torch.distributed as dist
 
-    from .gpu_cases import gpu_case, oracle, rel_err
+    from .gpu_cases import check_rank_runs, gpu_case
 
     group = dist.group.WORLD
     for spec in specs:
@@ -650,16 +650,7 @@ def _p2_worker(rank, world, specs):
             check_errors()
             runs.append((y.detach(), x.grad, w.grad, fc1.grad, fc2.grad))
             os.environ.pop(COPIES_ENV, None)
-        from .gpu_cases import TOL
-
-        ys, dxs, dws, d1, d2 = oracle(case)
-        want = (ys[rank], dxs[rank], dws[rank], case.local(d1, rank), case.local(d2, rank))
-        for name, got, ref in zip(("y", "dx", "dw", "d_fc1", "d_fc2"), runs[0], want):
-            err = rel_err(got, ref)
-            assert err < TOL, f"P=2 rank {rank} {spec}: {name} relative error {err:.3e}"
-        for i, other in enumerate(runs[1:], 1):
-            for name, a, b in zip(("y", "dx", "dw", "d_fc1", "d_fc2"), runs[0], other):
-                assert torch.equal(a, b), f"P=2 rank {rank} {spec}: {name} differs in run {i}"
+        check_rank_runs(case, rank, runs, f"P=2 {spec}")
 
 
 @pytest.mark.gpu2

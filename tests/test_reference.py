@@ -159,3 +159,29 @@ def test_schedule_empty_expert_has_no_rows():
     s = build_schedule([ids], rank=0, experts_per_rank=3, tile_rows=2)
     assert s.expert_counts.tolist() == [2, 0, 1]
     assert s.expert_offsets.tolist() == [0, 2, 2, 4]
+
+
+def test_multi_process_rank_check_passes_the_oracle_and_fails_a_wrong_or_unstable_run():
+    """check_rank_runs (the multi-GPU tests' verdict) on a small CPU case: the reference
+    backend's results pass; a perturbed gradient and a run that differs from the first fail."""
+    from .cases import route
+    from .gpu_cases import GpuCase, check_rank_runs
+
+    g = torch.Generator().manual_seed(7)
+    T, H, I, E, K = 12, 16, 8, 4, 2
+    case = GpuCase(x=[torch.randn(T, H, generator=g).bfloat16()], ids=[route(g, T, E, K, "uniform")],
+                   weights=[torch.rand(T, K, generator=g)], dy=[torch.randn(T, H, generator=g).bfloat16()],
+                   fc1_all=(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16(),
+                   fc2_all=(torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16(), experts_per_rank=E)
+    leaf = lambda t: t.detach().clone().requires_grad_()  # noqa: E731
+    x, w, fc1, fc2 = leaf(case.x[0]), leaf(case.weights[0]), leaf(case.fc1_all), leaf(case.fc2_all)
+    y = mok_moe(x, case.ids[0], w, fc1, fc2, backend="reference")
+    y.backward(case.dy[0])
+    run = (y.detach(), x.grad, w.grad, fc1.grad, fc2.grad)
+    check_rank_runs(case, 0, [run, run], "reference")
+    wrong = run[:3] + (run[3] * 1.5,) + run[4:]
+    with pytest.raises(AssertionError, match="d_fc1 relative error"):
+        check_rank_runs(case, 0, [wrong], "perturbed")
+    unstable = run[:4] + (run[4] + 1e-3,)
+    with pytest.raises(AssertionError, match="d_fc2 differs in run 1"):
+        check_rank_runs(case, 0, [run, unstable], "unstable")

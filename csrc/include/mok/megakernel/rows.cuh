@@ -178,6 +178,19 @@ __device__ __forceinline__ void stream_rows(CopyPipe& pipe, const char* src, cha
 
 // ---- pull and push ---------------------------------------------------------------------------
 
+// With bulk copies, lane k of a copy warp describes the warp's k-th row of the block (warps >= 4,
+// so at most 32 rows per warp): its row r in the block, its layout row i, and its table entry
+// (source rank s, -1 for padding and for lanes past the block; route = token * K + slot there).
+struct LaneRow {
+  int r;
+  int64_t i;
+  bool in_block;
+  int s, route;
+  __device__ __forceinline__ LaneRow(const RowSpaces& rs, int block, int warp, int warps, int lane)
+      : r(warp + lane * warps), i((int64_t)block * kBlockRows + r), in_block(r < kBlockRows),
+        s(in_block ? rs.table[2 * i] : -1), route(in_block ? rs.table[2 * i + 1] : 0) {}
+};
+
 // Block b into its slot: rows and router weights. Padding rows are not written into the ring:
 // a GEMM output row depends only on its own input row, the SwiGLU epilogue stores zeros for
 // padding rows and nothing pushes them. With the training copy (save_x, save_w), the rows and
@@ -187,12 +200,10 @@ __device__ __forceinline__ void stream_rows(CopyPipe& pipe, const char* src, cha
 __device__ __forceinline__ void pull_block(const RowSpaces& rs, int block, int slot, int warp, int warps,
                                            int lane, CopyPipe* pipe) {
   if (pipe != nullptr) {
-    // Lane k describes the warp's k-th row (warps >= 4, so at most 32 rows per warp).
-    const int r = warp + lane * warps;
-    const int64_t i = (int64_t)block * kBlockRows + r;
-    const bool in_block = r < kBlockRows;
-    const int s = in_block ? rs.table[2 * i] : -1;
-    const int route = in_block ? rs.table[2 * i + 1] : 0;
+    const LaneRow lr(rs, block, warp, warps, lane);
+    const int r = lr.r, s = lr.s, route = lr.route;
+    const int64_t i = lr.i;
+    const bool in_block = lr.in_block;
     const int64_t row_bytes = (int64_t)rs.vecs * 16;
     const int64_t ring_row = (int64_t)slot * kBlockRows + r;
     const char* src = nullptr;
@@ -250,11 +261,8 @@ __device__ __forceinline__ void pull_block(const RowSpaces& rs, int block, int s
 __device__ __forceinline__ void push_block(const RowSpaces& rs, int block, int slot, int warp, int warps,
                                            int lane, CopyPipe* pipe) {
   if (pipe != nullptr) {
-    const int r = warp + lane * warps;
-    const int64_t i = (int64_t)block * kBlockRows + r;
-    const bool in_block = r < kBlockRows;
-    const int s = in_block ? rs.table[2 * i] : -1;
-    const int route = in_block ? rs.table[2 * i + 1] : 0;
+    const LaneRow lr(rs, block, warp, warps, lane);
+    const int r = lr.r, s = lr.s, route = lr.route;
     const int64_t row_bytes = (int64_t)rs.vecs * 16;
     const char* src = reinterpret_cast<const char*>(rs.ring_x) + ((int64_t)slot * kBlockRows + r) * row_bytes;
     char* dst = s >= 0 ? reinterpret_cast<char*>(rs.bases[s]) + rs.slots_offset + (int64_t)route * row_bytes
