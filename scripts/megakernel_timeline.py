@@ -4,12 +4,20 @@ timeline summary (docs/megakernel.md, "Timeline").
     python scripts/megakernel_timeline.py --experts 6 --settings 16:4096:8192 8:2048:8192
     torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 6 ...   (P = 2)
 
+    torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 6 \
+        --ab MOK_MEGAKERNEL_PUSH_HELPERS=1,0 --rounds 40     (paired A/B timing of a switch)
+    torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 6 --ab-settings 12:: 8::
+
 Each setting is comm_ctas:minibatch_rows:ring_rows (empty fields: the defaults). Per setting and
 rank it prints: the span of the launch and of its phases (first tile, last tile, last push,
 combine-done, slot sum), per item kind the count, mean wait for the input and mean run time
 (and the rate it means), the compute CTAs' busy share and their stalls by the kind of tile
 they waited for, and the first and last minibatches' milestones. With --out DIR it also saves
 a per-CTA timeline chart of rank 0 (DIR/<name>.png) and, with --npz, every rank's raw records.
+With --ab NAME=A,B it instead times calls with the environment variable NAME set to A and to B
+alternately (the library reads its MOK_MEGAKERNEL_* switches at every launch), with
+--ab-settings two settings alternately; each call synchronised and timed on the slowest rank; it
+prints the medians and the paired difference.
 Needs the CUDA library (an sm_90 GPU).
 """
 
@@ -52,8 +60,22 @@ def decode(records: np.ndarray):
     return items, ctas
 
 
-def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str) -> List[str]:
-    """The timeline summary as lines of text."""
+def block_real_rows(counts: np.ndarray, n_blocks: int) -> np.ndarray:
+    """Real (non-padding) rows of each 128-row block of the expert-grouped layout, from the
+    rank's rows per local expert (int [L])."""
+    padded = (counts + 127) // 128 * 128
+    starts = np.concatenate([[0], np.cumsum(padded)[:-1]])
+    real = np.zeros(n_blocks, dtype=np.int64)
+    for start, cnt in zip(starts, counts):
+        for b in range(start // 128, (start + int(cnt) + 127) // 128):
+            if b < n_blocks:
+                real[b] = min(128, start + int(cnt) - 128 * b)
+    return real
+
+
+def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_rows=None) -> List[str]:
+    """The timeline summary as lines of text (real_rows: per block, splits the tile times into
+    blocks with more than 64 real rows and blocks with at most 64)."""
     out = [f"-- {label}"]
     span = ctas["end"].max()
     kinds = items["kind"]
@@ -76,6 +98,12 @@ def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str) -> List[
         out.append(f"{name:5s} n={int(sel.sum()):6d} run median {med * 1e3:8.1f} us (p90 "
                    f"{np.percentile(run, 90) * 1e3:8.1f}) -> {rate} | wait mean {wait.mean() * 1e3:8.1f} us, "
                    f"max {wait.max() * 1e3:8.1f} us")
+        if real_rows is not None and k in flop:
+            small = real_rows[items["block"][sel]] <= 64
+            for what, part in (("> 64 real rows", ~small), ("<= 64 real rows", small)):
+                if part.any():
+                    out.append(f"      blocks with {what}: n={int(part.sum())} run median "
+                               f"{np.median(run[part]) * 1e3:.1f} us, CTA-time {run[part].sum():.1f} ms")
     # Compute CTAs: busy share of [their start, last tile done], stalls between tiles.
     comp = np.isin(kinds, (1, 2))
     stall_by_kind = {1: 0.0, 2: 0.0}
@@ -141,6 +169,62 @@ def chart(items, ctas, path: str, title: str) -> None:
     plt.close(fig)
 
 
+def gemms_alone(rows: int, counts: np.ndarray, fc1: torch.Tensor, fc2: torch.Tensor, rank: int, P: int,
+                iters: int) -> None:
+    """Times torch._grouped_mm for fc1 and for fc2 alone on `rows` expert-grouped rows (counts per
+    local expert), no SwiGLU: the first term of issue 7's bound. Prints the median per rank."""
+    H, I = fc1.shape[2], fc2.shape[2]
+    x = torch.randn(rows, H, device="cuda").bfloat16()
+    h = torch.randn(rows, I, device="cuda").bfloat16()
+    offs = torch.tensor(np.cumsum(counts), device="cuda", dtype=torch.int32)
+    w1, w2 = fc1.transpose(-2, -1), fc2.transpose(-2, -1)
+    for _ in range(3):
+        torch._grouped_mm(x, w1, offs=offs)
+        torch._grouped_mm(h, w2, offs=offs)
+    times = []
+    for _ in range(max(iters, 5)):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch._grouped_mm(x, w1, offs=offs)
+        torch._grouped_mm(h, w2, offs=offs)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    ms = statistics.median(times)
+    tf = 6 * rows * H * I / ms / 1e9
+    print(f"rank {rank}/{P}: torch._grouped_mm fc1 + fc2 alone, {rows} rows: {ms:.3f} ms ({tf:.0f} TFLOP/s); "
+          f"1.15x = {1.15 * ms:.3f} ms", flush=True)
+
+
+def ab_timing(variants, rounds: int, distributed: bool, rank: int, label: str) -> None:
+    """Paired timing of two (name, call) variants, alternating which goes first in each round
+    (so slow drifts such as clocks under the power cap cancel). Each call is synchronised; its
+    time is the slowest rank's."""
+    times = {name: [] for name, _ in variants}
+    for r in range(rounds + 2):
+        for name, call in (variants if r % 2 == 0 else variants[::-1]):
+            if distributed:
+                dist.barrier()
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            call()
+            b.record()
+            torch.cuda.synchronize()
+            t = torch.tensor([a.elapsed_time(b)], device="cuda")
+            if distributed:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if r >= 2:  # two warm-up rounds
+                times[name].append(float(t))
+    check_errors()
+    if rank == 0:
+        (na, _), (nb, _) = variants
+        diff = np.array(times[nb]) - np.array(times[na])
+        print(f"{label}: {na} {statistics.median(times[na]):.3f} ms, {nb} {statistics.median(times[nb]):.3f} ms "
+              f"(median of {rounds}, slowest rank); paired {nb} - {na}: median {np.median(diff):+.3f} ms, "
+              f"{na} faster in {int((diff > 0).sum())} of {rounds} rounds", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
@@ -153,6 +237,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the rank-0 chart (and with --npz every rank's records) here")
     ap.add_argument("--npz", action="store_true", help="also save the raw records")
     ap.add_argument("--milestones", action="store_true", help="print the minibatch milestones")
+    ap.add_argument("--gemms-alone", action="store_true",
+                    help="also time torch._grouped_mm fc1 + fc2 alone on the rank's expert load (the bound of issue 7)")
+    ap.add_argument("--ab", default=None, metavar="NAME=A,B",
+                    help="paired timing of an environment switch instead of the timeline")
+    ap.add_argument("--ab-settings", nargs=2, default=None, metavar="SETTING",
+                    help="paired timing of two comm:minibatch:ring settings instead of the timeline")
+    ap.add_argument("--rounds", type=int, default=40, help="rounds of --ab and --ab-settings")
     ap.add_argument("--training", action="store_true",
                     help="forward with grad: the launch also writes the activations the backward reads")
     args = ap.parse_args()
@@ -177,11 +268,41 @@ def main() -> None:
         x.requires_grad_(True)
     group = dist.group.WORLD if distributed else None
     flop = 6 * T * K * H * I
+    if args.ab_settings:
+        def variant(text):
+            cfg = Candidate.parse(text).config(MoKConfig())
+            return (text, lambda: mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg, backend="megakernel"))
+        os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
+        with torch.set_grad_enabled(args.training):
+            ab_timing([variant(t) for t in args.ab_settings], args.rounds, distributed, rank, f"L={L} settings")
+        if distributed:
+            dist.destroy_process_group()
+        return
+    all_ids = [torch.empty(ids.shape, dtype=ids.dtype, device=ids.device) for _ in range(P)] if distributed else [ids]
+    if distributed:
+        dist.all_gather(all_ids, ids.contiguous())
+    routed = torch.cat([i.reshape(-1) for i in all_ids])
+    local = routed[(routed >= rank * L) & (routed < (rank + 1) * L)] - rank * L
+    counts = torch.bincount(local, minlength=L).cpu().numpy()
+    if args.gemms_alone:
+        gemms_alone(int(counts.sum()), counts, fc1, fc2, rank, P, args.iters)
     for text in args.settings:
         cfg = Candidate.parse(text).config(MoKConfig())
 
         def call():
             return mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg, backend="megakernel")
+        if args.ab:
+            name, _, vals = args.ab.partition("=")
+
+            def with_env(value):
+                def run():
+                    os.environ[name] = value
+                    return call()
+                return (f"{name}={value}", run)
+            os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
+            with torch.set_grad_enabled(args.training):
+                ab_timing([with_env(v) for v in vals.split(",")], args.rounds, distributed, rank, f"L={L} {text}")
+            continue
         with torch.set_grad_enabled(args.training):
             os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
             for _ in range(2):
@@ -219,7 +340,9 @@ def main() -> None:
         label = (f"rank {rank}/{P} L={L} T={T} H={H} I={I} K={K} comm={tr['comm_ctas']} mb={tr['minibatch_rows']} "
                  f"ring={tr['ring_rows']}{' training' if args.training else ''}: {ms:.3f} ms untraced ({flop / ms / 1e9:.0f} TFLOP/s); back to back "
                  f"{stream_ms:.3f} ms/call, host {host_ms:.3f} ms/call")
-        lines = summarize(items, ctas, H=H, I=I, mb_rows=tr["minibatch_rows"], label=label)
+        n_blocks = int(((counts + 127) // 128).sum())
+        lines = summarize(items, ctas, H=H, I=I, mb_rows=tr["minibatch_rows"], label=label,
+                          real_rows=block_real_rows(counts, n_blocks))
         if not args.milestones:
             lines = [line for line in lines if not line.startswith("  mb ") and "minibatches of" not in line]
         if distributed:

@@ -222,12 +222,14 @@ def test_plan_covers_every_item_once_in_the_documented_order(use_lib, n_blocks, 
     assert fc1_mb0 == [(b, c) for grp in groups for c in range(n1) for b in grp]
 
 
-def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahead, seed):
+def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahead, seed, push_helpers=True):
     """Replay the kernel's protocol: workers take queue items in order, wait for the counter
     targets the plan gives, and bump the counters the kernel bumps. Returns None when every
     item ran, else a description of the deadlock. Asserts the dependencies and the slot
     ownership the targets are meant to enforce. comm_workers >= 2 split as the kernel splits
-    its comm CTAs: (comm_workers + 1) // 2 pull, the rest push."""
+    its comm CTAs: (comm_workers + 1) // 2 pull, the rest push. With push_helpers, a compute
+    worker whose producer found the compute queue empty and whose consumers are done serves the
+    push queue too, as the kernel's compute CTAs do."""
     rng = random.Random(seed)
     queues = {q: _queue(q, n_blocks, mb, slots, n1, n2) for q in ("compute", "pull", "push")}
     nxt = {"compute": 0, "pull": 0, "push": 0}
@@ -265,6 +267,7 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
     comm = [None] * comm_workers                        # item being waited on
     producers = [None] * compute_workers                # item the TMA thread waits on
     issued = [[] for _ in range(compute_workers)]       # tiles whose loads are issued, in order
+    helping = [None] * compute_workers                  # push item a finished compute worker waits on
     total = sum(len(q) for q in queues.values())
     while len(done) < total:
         actions = []
@@ -281,6 +284,12 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
                 actions.append(("issue", w))
             if issued[w]:
                 actions.append(("consume", w))
+            finished = producers[w] is None and not issued[w] and nxt["compute"] == len(queues["compute"])
+            if push_helpers and finished:
+                if helping[w] is None and nxt["push"] < len(queues["push"]):
+                    actions.append(("take_push", w))
+                elif helping[w] is not None and ready(helping[w]):
+                    actions.append(("run_push", w))
         if not actions:
             return (f"deadlock with {len(done)} of {total} items done: comm holds {comm}, producers hold "
                     f"{producers}, counters {counters}")
@@ -293,6 +302,13 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
             start(comm[w])
             finish(comm[w])
             comm[w] = None
+        elif act == "take_push":
+            helping[w] = queues["push"][nxt["push"]]
+            nxt["push"] += 1
+        elif act == "run_push":
+            start(helping[w])
+            finish(helping[w])
+            helping[w] = None
         elif act == "take_compute":
             producers[w] = queues["compute"][nxt["compute"]]
             nxt["compute"] += 1
@@ -314,7 +330,8 @@ def test_protocol_never_deadlocks_and_respects_dependencies(use_lib, seed):
     args = dict(n_blocks=n_blocks, mb=mb, slots=mb * ring_minibatches, n1=rng.randint(1, 4), n2=rng.randint(1, 3),
                 comm_workers=rng.randint(2, 5), compute_workers=rng.randint(1, 5), lookahead=rng.randint(1, 3))
     for replay in range(3):
-        assert simulate(**args, seed=seed * 10 + replay) is None, args
+        for helpers in (True, False):
+            assert simulate(**args, seed=seed * 10 + replay, push_helpers=helpers) is None, (args, helpers)
 
 
 def test_one_hot_expert_through_a_two_slot_ring(use_lib):
@@ -552,6 +569,9 @@ def test_megakernel_one_hot_expert_through_a_small_ring():
 
 COPIES_ENV = "MOK_MEGAKERNEL_COPIES"
 """Set to "registers", the comm CTAs copy rows through registers instead of TMA bulk copies."""
+SWITCHES_OFF = {"MOK_MEGAKERNEL_HALF_A": "0", "MOK_MEGAKERNEL_PUSH_HELPERS": "0"}
+"""The launch's other comparison switches, off: every tile loads all 128 rows of A; only the
+push CTAs push."""
 SETTINGS = [(2, 128, 256), (2, 256, 1024), (4, 512, 1024), (3, 384, 1536), (None, None, None)]
 
 
@@ -574,8 +594,12 @@ def test_megakernel_is_bitwise_identical_across_settings(virtual, monkeypatch):
     config = MoKConfig(comm_sms_forward=3, minibatch_rows=256, ring_rows=512, timeout_s=20.0,
                        max_tokens_per_rank=max(tokens))
     results.append(_run(case, group.ranks if virtual else [None], config, group.streams if virtual else None))
+    monkeypatch.delenv(COPIES_ENV)
+    for name, value in SWITCHES_OFF.items():
+        monkeypatch.setenv(name, value)
+    results.append(_run(case, group.ranks if virtual else [None], config, group.streams if virtual else None))
     _check_against_oracle(case, results[0], f"settings {SETTINGS[0]}")
-    for setting, res in zip(SETTINGS[1:] + ["register copies"], results[1:]):
+    for setting, res in zip(SETTINGS[1:] + ["register copies", "half-A loads and push helpers off"], results[1:]):
         _assert_equal_runs(results[0], res, f"settings {SETTINGS[0]} vs {setting}")
 
 

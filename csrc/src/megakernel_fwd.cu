@@ -5,8 +5,10 @@
 // (pull and push row blocks, all 12 warps on one block at a time), the others compute CTAs (a
 // TMA producer thread and two wgmma consumer warpgroups on fc1/fc2 tiles). Roles by ticket,
 // not by blockIdx, so whichever CTAs run first include the comm CTAs: the launch makes
-// progress with any number of resident CTAs above comm_ctas. When a CTA's queue is empty its
-// warpgroups 1 and 2 join the combine-done wait and the slot sum.
+// progress with any number of resident CTAs above comm_ctas. A compute CTA whose queue is empty
+// helps with the pushes that are left; then every CTA joins the combine-done wait and the slot
+// sum with all its threads. Every delivered push is counted; whoever counts the last one raises
+// the combine-done flags on every rank.
 //
 // Kernel-boundary reasoning (what this launch may read without in-kernel synchronisation):
 // the schedule (table, offsets, counts) and the counter reset + epoch come from earlier
@@ -54,7 +56,8 @@ struct KernelParams {
   int P, rank, L, T, E;
   int comm_ctas;
   int mb_blocks, slots, n1, n2;
-  int bulk_copies;  // 1: comm CTAs move rows with TMA bulk copies; 0: through registers
+  int bulk_copies;   // 1: comm CTAs move rows with TMA bulk copies; 0: through registers
+  int push_helpers;  // 1: compute CTAs serve the push queue after their tiles
 };
 
 // Shared memory after the stage ring (whose plan is Fc1Cfg::kSmemBytes, alignment included).
@@ -78,11 +81,20 @@ __device__ __forceinline__ Deadline deadline_of(const KernelParams& p) {
   return Deadline{p.status, p.timeout_ns, p.rank};
 }
 
-// All threads of a comm CTA serving the pull or the push queue. Thread 0 takes the next item
-// and waits for its input; the 12 warps copy the block's rows; thread 0 releases the block's
-// counter.
-__device__ __forceinline__ void comm_cta(const KernelParams& p, const Plan& plan, CtaShared& sh, uint8_t* stage_area,
-                                         int queue) {
+// Every rank's combine-done flag for this rank: the epoch, stored after a system-scope fence.
+// Called once per launch, by the thread that counted the last delivered push (or, when this rank
+// computes no rows at all, by the first comm CTA).
+__device__ __forceinline__ void raise_combine_done(const KernelParams& p, uint64_t epoch) {
+  fence_acq_rel_sys();
+  for (int q = 0; q < p.P; ++q) st_release_sys_u64(reinterpret_cast<uint64_t*>(p.signal_bases[q]) + p.rank, epoch);
+}
+
+// All threads of a CTA serving the pull or the push queue: the comm CTAs, and after their tiles
+// the compute CTAs (push queue only). Thread 0 takes the next item and waits for its input; the
+// 12 warps copy the block's rows; thread 0 releases the block's counter. The CTA's stage area
+// holds the warps' copy chunks (a compute CTA's last tile has been consumed by then).
+__device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Plan& plan, CtaShared& sh,
+                                                 uint8_t* stage_area, int queue) {
   const Deadline d = deadline_of(p);
   const int total = queue_items(plan, queue);
   const int64_t trace_base = compute_items(plan) + (queue == kPushQueue ? plan.n_blocks : 0);
@@ -133,25 +145,23 @@ __device__ __forceinline__ void comm_cta(const KernelParams& p, const Plan& plan
                           signal_amount(it.kind));
       p.trace.stamp(record, kTrDone);
     }
-  }
-  // This CTA's pushes, to every rank, before the combine-done flags: a system-scope fence in
-  // every thread that stored (after its bulk stores completed), then the CTA barrier, then the
-  // arrival (acq_rel, cumulative).
-  if (bulk != nullptr && lane == 0) {
-    g::bulk_wait();
-    fence_proxy_async_global();
-  }
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int before = atom_add_acq_rel_gpu(&p.counters[kCommDone], 1);
-    // The last comm CTA has acquired every other comm CTA's arrival; its system-scope fence and
-    // release stores make all of this rank's pushes (and pulls) happen-before each peer's
-    // acquire of the flag. After a timeout the flags stay unset: peers time out too.
-    if (before == p.comm_ctas - 1 && !timeout_recorded(p.status)) {
-      fence_acq_rel_sys();
-      for (int q = 0; q < p.P; ++q)
-        st_release_sys_u64(reinterpret_cast<uint64_t*>(p.signal_bases[q]) + p.rank, sh.epoch);
+    if (it.kind == kPush) {
+      // Delivered: the block's stores have reached the home ranks (a system-scope fence in every
+      // thread that stored, after its bulk stores completed; then the CTA barrier and the
+      // count, acq_rel, cumulative). Whoever counts the last block has acquired every other
+      // delivery, and its system-scope fence and release stores make all of this rank's pushes
+      // (and, through the counters, its pulls) happen-before each peer's acquire of the flag.
+      // After a timeout the flags stay unset: peers time out too.
+      if (bulk != nullptr && lane == 0) {
+        g::bulk_wait();
+        fence_proxy_async_global();
+      }
+      __threadfence_system();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        const int before = atom_add_acq_rel_gpu(&p.counters[kPushesDone], 1);
+        if (before == plan.n_blocks - 1 && !timeout_recorded(p.status)) raise_combine_done(p, sh.epoch);
+      }
     }
   }
 }
@@ -180,27 +190,33 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     p.trace.put(cta_record, kTrCta, blockIdx.x);
   }
   if (sh.ticket < p.comm_ctas) {
-    comm_cta(p, plan, sh, ring1.a(0), sh.ticket < pull_ctas(p.comm_ctas) ? kPullQueue : kPushQueue);
+    serve_comm_queue(p, plan, sh, ring1.a(0), sh.ticket < pull_ctas(p.comm_ctas) ? kPullQueue : kPushQueue);
     if (threadIdx.x == 0) p.trace.stamp(cta_record, kTrReady);
-    if (wg == 0) return;
+    // No rows routed to this rank: no push will count the last delivery.
+    if (plan.n_blocks == 0 && sh.ticket == 0 && threadIdx.x == 0 && !timeout_recorded(p.status))
+      raise_combine_done(p, sh.epoch);
   } else {
     const ComputeContext cx{p.counters, deadline_of(p), p.L, p.trace};
     // No setmaxnreg: the consumers' code fits the launch bound's 168 registers without spills
     // (ptxas -v), and at 40 registers the producer's queue and wait logic would spill.
     if (wg == 0) {
       if (threadIdx.x == 0) produce_tiles(p.ops, plan, cx, ring1.table0, ring1.table1, ring1, ring2, sh.records);
-      return;
+    } else {
+      consume_tiles(p.ops, plan, cx, ring1, ring2, sh.records, wg - 1);
+      if (threadIdx.x == 128) p.trace.stamp(cta_record, kTrReady);
     }
-    consume_tiles(p.ops, plan, cx, ring1, ring2, sh.records, wg - 1);
-    if (threadIdx.x == 128) p.trace.stamp(cta_record, kTrReady);
+    // The compute queue is empty and this CTA's tiles are done: help with the pushes that are
+    // left (at the end of the launch the last minibatches' blocks wait for the push CTAs).
+    __syncthreads();
+    if (p.push_helpers) serve_comm_queue(p, plan, sh, ring1.a(0), kPushQueue);
   }
   const SumArgs sa{p.signal_bases,
                    reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(p.rows.bases[p.rank]) +
                                                   p.rows.slots_offset),
                    p.ids, p.y, p.counters, deadline_of(p), sh.epoch, p.P, p.rank, p.T, p.rows.K, p.E,
                    p.rows.vecs, p.trace, cta_record};
-  combine_and_sum(sa, sh.sum, threadIdx.x - 128);
-  if (threadIdx.x == 128) p.trace.stamp(cta_record, kTrDone);
+  combine_and_sum(sa, sh.sum, threadIdx.x);
+  if (threadIdx.x == 0) p.trace.stamp(cta_record, kTrDone);
 }
 
 // Zeroes the counters (queues, arrivals, per-slot counters) and takes this call's epoch from
@@ -221,6 +237,15 @@ static_assert(kEpochLo == 0 && kComputeNext == 2, "the epoch takes words 0-1, th
 bool bulk_copies_enabled() {
   const char* v = std::getenv("MOK_MEGAKERNEL_COPIES");
   return v == nullptr || std::strcmp(v, "registers") != 0;
+}
+
+// Switches kept for comparison (the results are bitwise the same either way):
+// MOK_MEGAKERNEL_HALF_A=0 loads all 128 rows of A for every tile; MOK_MEGAKERNEL_PUSH_HELPERS=0
+// leaves the pushes to the push CTAs alone.
+bool env_flag(const char* name, bool fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == 0) return fallback;
+  return std::strcmp(v, "0") != 0;
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
@@ -316,7 +341,10 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   if (rc == MOK_OK) rc = g::encode_map_2d(&p.ops.fc2.map_a, a.ring_h, a.I, a.ring_rows, g::kBK, kBlockRows);
   if (rc == MOK_OK)
     rc = g::encode_map_2d(&p.ops.fc2.map_b, a.fc2_weight, a.I, a.L * a.H, g::kBK, g::b_box_rows<Fc2Cfg>());
+  if (rc == MOK_OK) rc = g::encode_map_2d(&p.ops.fc1_a_half, a.ring_x, a.H, a.ring_rows, g::kBK, kBlockRows / 2);
+  if (rc == MOK_OK) rc = g::encode_map_2d(&p.ops.fc2_a_half, a.ring_h, a.I, a.ring_rows, g::kBK, kBlockRows / 2);
   if (rc != MOK_OK) return rc;
+  p.ops.half_a = env_flag("MOK_MEGAKERNEL_HALF_A", true) ? 1 : 0;
   p.ops.fc1.K = (int)a.H;
   p.ops.fc1.N = (int)(2 * a.I);
   p.ops.fc2.K = (int)a.I;
@@ -347,6 +375,7 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.n1 = (int)(a.I / kFc1Cols);
   p.n2 = (int)(a.H / kFc2Cols);
   p.bulk_copies = bulk_copies_enabled() ? 1 : 0;
+  p.push_helpers = env_flag("MOK_MEGAKERNEL_PUSH_HELPERS", true) ? 1 : 0;
 
   // One CTA per SM, every CTA resident: the grid comes from the occupancy query, never from
   // the work (a fixed share of the SMs when the caller asks for fewer).

@@ -11,7 +11,9 @@
 // shorter). Three queues, each handed out in order by an atomic counter:
 //   compute: fc1(mb 0), then for m = 1 .. n_mb-1: fc1(mb m), fc2(mb m-1); then fc2(last)
 //   pull:    pull(0), pull(1), ... (block order), served by the pull CTAs
-//   push:    push(0), push(1), ... (block order), served by the push CTAs
+//   push:    push(0), push(1), ... (block order), served by the push CTAs, and by every
+//            compute CTA once the compute queue is empty (the last minibatches' pushes are
+//            otherwise the launch's tail)
 // Pulls and pushes have CTAs of their own so that a pull never queues behind a push that waits
 // for compute: the pulls run ahead as far as the ring allows.
 // Within a minibatch, GEMM tiles run in groups of up to 8 row blocks, column block by column
@@ -45,7 +47,7 @@ enum HeaderWord : int32_t {
   kEpochLo = 0,       // uint64 epoch of this launch (words 0-1), written by the reset kernel
   kComputeNext = 2,   // compute queue position
   kPullNext = 3,      // pull queue position
-  kCommDone = 4,      // comm CTAs that finished their queue
+  kPushesDone = 4,    // push items whose rows have reached their home ranks
   kSumNext = 5,       // slot-sum queue position (tokens)
   kRoleTicket = 6,    // CTAs started: the first comm_ctas become comm CTAs
   kPushNext = 7,      // push queue position

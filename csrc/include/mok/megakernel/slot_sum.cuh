@@ -20,7 +20,7 @@
 namespace mok {
 namespace mega {
 
-constexpr int kSumThreads = 256;  // warpgroups 1 and 2 of every CTA
+constexpr int kSumThreads = 384;  // every thread of every CTA
 constexpr int kSumBarrier = 3;    // named barrier id (1 and 2 belong to the consumer warpgroups)
 constexpr int kSumChunk = 8;    // tokens per grab
 constexpr int kSumUnroll = 8;   // slot loads in flight per (token, vector)
@@ -43,11 +43,11 @@ struct SumShared {
   int32_t failed;
 };
 
-// Called by the kSumThreads threads 128 .. 383 of a CTA (tid = threadIdx.x - 128).
+// Called by all kSumThreads threads of a CTA (tid = threadIdx.x).
 __device__ __forceinline__ void combine_and_sum(const SumArgs& a, SumShared& sh, int tid) {
   if (tid == 0) {
-    // Every rank's last comm CTA stores the epoch into our flag array (st.release.sys) after
-    // all of its pushes; acquiring all P flags makes every push into our slots visible.
+    // Every rank stores the epoch into our flag array (st.release.sys) once all of its pushes
+    // were delivered; acquiring all P flags makes every push into our slots visible.
     const uint64_t* mine = reinterpret_cast<const uint64_t*>(a.signal_bases[a.rank]);
     for (int q = 0; q < a.P; ++q)
       if (!wait_flag_sys(mine + q, a.epoch, a.deadline, MOK_SITE_MK_COMBINE_DONE, q)) break;

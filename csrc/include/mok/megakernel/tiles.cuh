@@ -56,6 +56,11 @@ struct StageRecord {
 struct TileOperands {
   gemm::RowOperands fc1;  // A: ring x [ring_rows, H]; B: fc1 weight [L * 2I, H]; K = H, N = 2I
   gemm::RowOperands fc2;  // A: ring h [ring_rows, I]; B: fc2 weight [L * H, I]; K = I, N = H
+  // The same A operands with a 64-row box: a tile whose rows 64.. are all padding loads only
+  // its first 64 rows (an expert's last block; at ~170 rows per expert, half of all blocks).
+  CUtensorMap fc1_a_half;
+  CUtensorMap fc2_a_half;
+  int half_a;  // 1: use them (MOK_MEGAKERNEL_HALF_A=0 turns them off, for comparison)
   gemm::SwiGLUForwardEpilogue::Params swiglu;  // h = ring h, scale = ring router weights, gu = null
   __nv_bfloat16* save_gu;                      // [R_cap, 2I] training copy of the pre-activation, or null
   gemm::StoreEpilogue::Params store;           // out = ring x (the block's x rows are dead by then)
@@ -72,18 +77,26 @@ __device__ __forceinline__ int expert_of_row(const int32_t* offs, int L, int row
   return lo;
 }
 
+// half_a: the map of A with a 64-row box, when the tile's rows 64.. are all padding (their
+// consumer warpgroup only passes the stages on, so the lower half of the A buffer is not read);
+// null otherwise. The 128-byte swizzle repeats every 8 rows, so the first 64 rows land where a
+// 128-row box puts them.
 template <class Cfg>
-__device__ __forceinline__ void load_tile(const gemm::RowOperands& op, const gemm::RowTile& t,
-                                          const StageRecord& rec, const gemm::SmemRing<Cfg>& ring,
-                                          gemm::PipeState& st, StageRecord* records) {
+__device__ __forceinline__ void load_tile(const gemm::RowOperands& op, const CUtensorMap* half_a,
+                                          const gemm::RowTile& t, const StageRecord& rec,
+                                          const gemm::SmemRing<Cfg>& ring, gemm::PipeState& st,
+                                          StageRecord* records) {
+  static_assert(Cfg::BM == 128 && Cfg::kABytes % 2 == 0, "two 64-row halves of A");
   const int nk = op.K / gemm::kBK;
+  const CUtensorMap* map_a = half_a != nullptr ? half_a : &op.map_a;
+  const uint32_t bytes = half_a != nullptr ? Cfg::kStageBytes - Cfg::kABytes / 2 : Cfg::kStageBytes;
   for (int kb = 0; kb < nk; ++kb) {
     gemm::mbar_wait(&ring.empty[st.stage], st.phase ^ 1u);
     if (kb == 0) records[st.stage] = rec;  // published by the arrive below (release, CTA scope)
     uint64_t* bar = &ring.full[st.stage];
-    gemm::mbar_arrive_expect_tx(bar, Cfg::kStageBytes);
+    gemm::mbar_arrive_expect_tx(bar, bytes);
     const int k0 = kb * gemm::kBK;
-    gemm::tma_load_2d(ring.a(st.stage), &op.map_a, bar, k0, t.row0);
+    gemm::tma_load_2d(ring.a(st.stage), map_a, bar, k0, t.row0);
 #pragma unroll
     for (int j = 0; j < gemm::b_boxes<Cfg>(); ++j) {
       uint8_t* dst;
@@ -111,6 +124,10 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
   gemm::tma_prefetch_descriptor(&ops.fc1.map_b);
   gemm::tma_prefetch_descriptor(&ops.fc2.map_a);
   gemm::tma_prefetch_descriptor(&ops.fc2.map_b);
+  if (ops.half_a) {
+    gemm::tma_prefetch_descriptor(&ops.fc1_a_half);
+    gemm::tma_prefetch_descriptor(&ops.fc2_a_half);
+  }
   const int total = compute_items(plan);
   gemm::PipeState st;
   for (;;) {
@@ -151,10 +168,11 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
     rec.index = i;
     rec.block = it.block;
     const gemm::RowTile t{e, rec.row0, it.col, rec.row_end, true};
+    const bool half = ops.half_a && real <= kBlockRows / 2;
     if (it.kind == kFc1)
-      load_tile<Fc1Cfg>(ops.fc1, t, rec, ring1, st, records);
+      load_tile<Fc1Cfg>(ops.fc1, half ? &ops.fc1_a_half : nullptr, t, rec, ring1, st, records);
     else
-      load_tile<Fc2Cfg>(ops.fc2, t, rec, ring2, st, records);
+      load_tile<Fc2Cfg>(ops.fc2, half ? &ops.fc2_a_half : nullptr, t, rec, ring2, st, records);
   }
 }
 
