@@ -82,15 +82,22 @@ def leaves(case: GpuCase, rank: int):
             leaf(case.local(case.fc2_all, rank)))
 
 
-def run_case(case: GpuCase, ep_groups, config, backend: str, streams=None, backward: bool = True):
+def run_case(case: GpuCase, ep_groups, config, backend: str, streams=None, backward: bool = True,
+             split: int = 0):
     """Forward, then backward, of every rank of ``case`` with ``backend``, each rank on its own
     stream when ``streams`` is given (virtual ranks), then a synchronisation and
     :func:`megatron_mok.functional.check_errors`. Returns per rank (y, dx, dw, d_fc1, d_fc2);
-    the gradients are None without ``backward``."""
+    the gradients are None without ``backward``. ``split`` > 0 passes each rank's weights as two
+    weight segments, its last ``split`` experts in the second (as a fused shared expert is
+    passed); d_fc1 and d_fc2 are then the segments' gradients concatenated."""
     from megatron_mok.functional import check_errors, mok_moe
 
     P = len(case.x)
     per_rank = [leaves(case, r) for r in range(P)]
+    if split:
+        leaf = lambda t: t.detach().clone().requires_grad_()
+        per_rank = [(x, w, (leaf(f1[:-split]), leaf(f1[-split:])), (leaf(f2[:-split]), leaf(f2[-split:])))
+                    for x, w, f1, f2 in per_rank]
     ys = []
     main = torch.cuda.current_stream()
     for r in range(P):
@@ -105,7 +112,12 @@ def run_case(case: GpuCase, ep_groups, config, backend: str, streams=None, backw
                 ys[r].backward(case.dy[r])
     torch.cuda.synchronize()
     check_errors()
-    return [(ys[r].detach(),) + tuple(t.grad for t in per_rank[r]) for r in range(P)]
+
+    def grad(t):
+        if isinstance(t, tuple):
+            return torch.cat([s.grad for s in t]) if backward else None
+        return t.grad
+    return [(ys[r].detach(),) + tuple(grad(t) for t in per_rank[r]) for r in range(P)]
 
 
 def check_against_oracle(case: GpuCase, results, label: str, with_grads: bool = True) -> None:

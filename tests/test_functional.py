@@ -38,6 +38,50 @@ def test_bad_inputs_are_clear_errors(index, bad, message):
         mok_moe(*args, backend="reference")
 
 
+def _split(w, at):
+    return (w[:at].clone(), w[at:].clone())
+
+
+def test_weight_segments_give_the_stacked_results_and_split_gradients():
+    """Tuple weights (routed experts, then a shared one) are the same local experts as their
+    concatenation: same output, and each segment gets its slice of the stacked gradient."""
+    x, ids, w, fc1, fc2 = _args(L=4, K=3)
+    def leaves_of(f):  # the same container (tensor, tuple or list) of fresh leaves
+        if isinstance(f, torch.Tensor):
+            return f.clone().requires_grad_(), [f]
+        segs = [t.clone().requires_grad_() for t in f]
+        return type(f)(segs), segs
+
+    def run(f1, f2):
+        leaves = [t.clone().requires_grad_() for t in (x, w)]
+        (a1, seg1), (a2, seg2) = leaves_of(f1), leaves_of(f2)
+        seg1 = [a1] if isinstance(a1, torch.Tensor) else seg1
+        seg2 = [a2] if isinstance(a2, torch.Tensor) else seg2
+        y = mok_moe(leaves[0], ids, leaves[1], a1, a2, backend="reference")
+        y.backward(torch.ones_like(y))
+        return y, [t.grad for t in leaves], [t.grad for t in seg1], [t.grad for t in seg2]
+    y, (dx, dw), (d1,), (d2,) = run(fc1, fc2)
+    y_s, (dx_s, dw_s), d1_s, d2_s = run(_split(fc1, 3), list(_split(fc2, 3)))
+    assert torch.equal(y, y_s) and torch.equal(dx, dx_s) and torch.equal(dw, dw_s)
+    assert torch.equal(d1, torch.cat(d1_s)) and torch.equal(d2, torch.cat(d2_s))
+    assert [t.shape[0] for t in d1_s] == [3, 1] and [t.shape[0] for t in d2_s] == [3, 1]
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda f1, f2: (f1, _split(f2, 2)), r"fc1_weight has 1 weight segments and fc2_weight 2"),
+    (lambda f1, f2: (_split(f1, 2), (f2[:2], f2[1:])), r"fc2_weight\[1\] is \(2, 8, 4\); .* = \(1, 8, 4\)"),
+    (lambda f1, f2: ((f1[:2], f1[2:, :4]), _split(f2, 2)), r"fc1_weight\[1\] is \(1, 4, 8\).*same 2I = 8"),
+    (lambda f1, f2: ((f1[:2], f1[2:], f1[2:]), (f2[:2], f2[2:], f2[2:])), "a tuple of 1 to 2 tensors"),
+    (lambda f1, f2: ((f1[:2], "shared"), _split(f2, 2)), r"fc1_weight\[1\] must be a torch.Tensor, got str"),
+    (lambda f1, f2: ((f1[:3], f1[3:]), (f2[:3], f2[3:])), r"fc1_weight\[1\] holds no experts"),
+])
+def test_bad_weight_segments_are_clear_errors(make, message):
+    x, ids, w, fc1, fc2 = _args()
+    f1, f2 = make(fc1, fc2)
+    with pytest.raises(MoKInputError, match=message):
+        mok_moe(x, ids, w, f1, f2, backend="reference")
+
+
 def test_expert_id_out_of_range_is_a_clear_error():
     args = _args()
     args[1] = args[1].clone()

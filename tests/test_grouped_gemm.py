@@ -548,6 +548,63 @@ def test_weight_grad(tile, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", [128, 64])
+@pytest.mark.parametrize("l0", [3, 7])
+def test_a_launch_over_a_segment_of_experts_writes_exactly_its_rows(tile, l0):
+    """offsets + l0, counts + l0 and the weights of experts l0..: bitwise the rows of those
+    experts that a launch over all of them writes, and no other row (NaN stays NaN). This is how
+    the cuda backend runs a weight segment (a shared expert in parameters of its own)."""
+    seed = _seed()
+    lay = Layout(SMALL, tile)
+    H, I = 1024, 512
+    x, w1, w2, rw = _inputs(lay, H, I)
+    dy = torch.randn(lay.R, H, device="cuda").bfloat16()
+    offs, cnts = lay.offsets_d[l0:], lay.counts_d[l0:]
+    s, e = lay.offsets[l0], lay.R_pad
+    seg1, seg2 = w1[l0:].contiguous(), w2[l0:].contiguous()
+    v1, v2 = gg.variant("fc1", tile), gg.variant("fc2", tile)
+    vs, vd = gg.variant("fc2_dgrad_swiglu", tile), gg.variant("dgrad", tile)
+
+    def same_rows(name, full, seg):
+        torch.cuda.synchronize()
+        assert torch.equal(seg[s:e], full[s:e]), f"{name}: segment rows differ (l0={l0}, seed {seed})"
+        assert torch.isnan(seg[:s]).all() and torch.isnan(seg[e:]).all(), \
+            f"{name}: rows outside the segment were written (l0={l0}, seed {seed})"
+
+    h, gu = _poisoned(lay.R, I), _poisoned(lay.R, 2 * I)
+    gg.launch_fc1_swiglu(x, w1, lay.offsets_d, lay.counts_d, rw, h, gu, variant=v1)
+    h_s, gu_s = _poisoned(lay.R, I), _poisoned(lay.R, 2 * I)
+    gg.launch_fc1_swiglu(x, seg1, offs, cnts, rw, h_s, gu_s, variant=v1)
+    same_rows("fc1 h", h, h_s)
+    same_rows("fc1 gu", gu, gu_s)
+
+    y, y_s = _poisoned(lay.R, H), _poisoned(lay.R, H)
+    gg.launch_fc2(h, w2, lay.offsets_d, y, variant=v2)
+    gg.launch_fc2(h, seg2, offs, y_s, variant=v2)
+    same_rows("fc2", y, y_s)
+
+    outs = []
+    for w, o, c in ((w2, lay.offsets_d, lay.counts_d), (seg2, offs, cnts)):
+        dgu, hh, dw = _poisoned(lay.R, 2 * I), _poisoned(lay.R, I), _poisoned(lay.R, dtype=torch.float32)
+        scratch = torch.full((gg.dgrad_scratch_floats(lay.R, I),), float("nan"), device="cuda")
+        gg.launch_fc2_dgrad_swiglu(dy, w, gu, o, c, rw, dgu, hh, dw, scratch, variant=vs)
+        outs.append((dgu, hh, dw))
+    for name, full, seg in zip(("dgu", "h recomputed", "d router weight"), *outs):
+        same_rows(f"fc2 dgrad + SwiGLU {name}", full, seg)
+
+    dgu = outs[0][0]
+    dx, dx_s = _poisoned(lay.R, H), _poisoned(lay.R, H)
+    gg.launch_fc1_dgrad(dgu, w1, lay.offsets_d, dx, variant=vd)
+    gg.launch_fc1_dgrad(dgu, seg1, offs, dx_s, variant=vd)
+    same_rows("fc1 dgrad", dx, dx_s)
+
+    full = gg.weight_grad(dgu, x, lay.offsets_d, out_dtype=torch.bfloat16)
+    seg = gg.weight_grad(dgu, x, offs, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert seg.shape[0] == lay.L - l0 and torch.equal(seg, full[l0:]), f"weight grad (l0={l0}, seed {seed})"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["kimi", "qwen"])
 def test_expert_ffn_chain_at_real_shapes(shape):
     """fc1+SwiGLU -> fc2 forward and the whole backward at the real H, I with skewed counts,

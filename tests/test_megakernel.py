@@ -166,7 +166,7 @@ def _valid_args(**over):
     a = dict(bases=p, signal_bases=p, rows_offset=0, scalars_offset=1024, slots_offset=4096, table=p,
              offsets=p, counts=p, topk_ids=p, fc1_weight=p, fc2_weight=p, ring_x=p, ring_h=p, ring_w=p,
              counters=p, y=p, epoch_counter=p, status=p, timeout_ns=10 ** 9, P=2, rank=0, L=4, H=1024,
-             I=512, K=2, T=64, ring_rows=512, minibatch_rows=256, comm_ctas=2, num_ctas=0)
+             I=512, K=2, T=64, ring_rows=512, minibatch_rows=256, comm_ctas=2, num_ctas=0, L1=4)
     a.update(over)
     return mk.MegakernelArgs(**a)
 
@@ -177,6 +177,8 @@ def _valid_args(**over):
     dict(num_ctas=2), dict(timeout_ns=0), dict(table=0), dict(y=0), dict(rows_offset=8),
     dict(ring_x=0x10008), dict(trace=0x10000, trace_capacity=0), dict(save_x=0x10000),
     dict(save_x=0x10000, save_w=0x10000), dict(save_x=0x10000, save_w=0x10000, save_gu=0x10008),
+    dict(L1=3), dict(fc1_weight2=0x10000, L1=3), dict(fc1_weight2=0x10000, fc2_weight2=0x10000),
+    dict(fc1_weight2=0x10000, fc2_weight2=0x10000, L1=0), dict(fc1_weight2=0x10008, fc2_weight2=0x10000, L1=3),
 ])
 def test_c_abi_rejects_bad_arguments_before_any_cuda_call(use_lib, over):
     _, fns = mk._lib()
@@ -357,7 +359,8 @@ def _op_args(R=512, L=4, H=1024, I=512, T=6, K=2, P=2, words=None):
         fc2_weight=z(L, H, I), ring_x=z(R, H), ring_h=z(R, I), ring_w=z(R, dtype=torch.float32),
         counters=z(words if words is not None else 8 + 4 * (R // 128), dtype=torch.int32),
         epoch_counter=z(1, dtype=torch.int64), status=z(8, dtype=torch.int32), rank=0, minibatch_rows=256,
-        comm_ctas=2, num_ctas=0, timeout_ns=10 ** 9, trace=None, save_x=None, save_w=None, save_gu=None)
+        comm_ctas=2, num_ctas=0, timeout_ns=10 ** 9, trace=None, save_x=None, save_w=None, save_gu=None,
+        fc1_weight2=None, fc2_weight2=None)
 
 
 def test_fake_impl_gives_the_output_shape():
@@ -411,6 +414,38 @@ def test_training_copies_are_checked(use_lib, over, message):
         torch.ops.mok.megakernel_forward(**a)
 
 
+_SEG = dict(fc1_weight2=torch.zeros(1, 1024, 1024, dtype=torch.bfloat16),
+            fc2_weight2=torch.zeros(1, 1024, 512, dtype=torch.bfloat16),
+            offsets=torch.zeros(6, dtype=torch.int32), counts=torch.zeros(5, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("over,message", [
+    (dict(_SEG, fc2_weight2=None), r"fc1_weight2 and fc2_weight2 go together.*only fc1_weight2"),
+    (dict(_SEG, fc2_weight2=torch.zeros(1, 1024, 256, dtype=torch.bfloat16)),
+     r"fc2_weight2 must have shape \(1, 1024, 512\)"),
+    (dict(_SEG, fc1_weight2=torch.zeros(2, 1024, 512, dtype=torch.bfloat16)),
+     r"fc1_weight2 must have shape \(2, 1024, 1024\)"),
+    (dict(_SEG, offsets=torch.zeros(5, dtype=torch.int32)), r"offsets must have 6 elements"),
+    (dict(_SEG, counts=torch.zeros(4, dtype=torch.int32)), r"counts must have 5 elements"),
+])
+def test_second_weight_segment_is_checked(use_lib, over, message):
+    a = _op_args()
+    a.update(over)
+    with pytest.raises(mk.MegakernelArgumentError, match=message):
+        torch.ops.mok.megakernel_forward(**a)
+
+
+def test_fake_impl_takes_a_second_weight_segment():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = _op_args(T=37, H=1024)
+        a.update(fc1_weight2=torch.zeros(1, 1024, 1024, dtype=torch.bfloat16),
+                 fc2_weight2=torch.zeros(1, 1024, 512, dtype=torch.bfloat16))
+        y = torch.ops.mok.megakernel_forward(**a)
+        assert y.shape == (37, 1024) and y.dtype == torch.bfloat16
+
+
 # ---- GPU -------------------------------------------------------------------------------------
 
 def _leaves(case, rank):
@@ -419,13 +454,13 @@ def _leaves(case, rank):
     return leaves(case, rank)
 
 
-def _run(case, ep_groups, config, streams=None, backward=True):
+def _run(case, ep_groups, config, streams=None, backward=True, split=0):
     """Forward (and backward) of every rank with the megakernel (see gpu_cases.run_case)."""
     from .gpu_cases import run_case
 
     # A wait that never ends shows up as a MoKTimeoutError naming the site after 20 s.
     config = dataclasses.replace(config, timeout_s=min(config.timeout_s, 20.0))
-    return run_case(case, ep_groups, config, "megakernel", streams, backward)
+    return run_case(case, ep_groups, config, "megakernel", streams, backward, split)
 
 
 def _poison_workspaces_and_rings():
@@ -601,6 +636,28 @@ def test_megakernel_is_bitwise_identical_across_settings(virtual, monkeypatch):
     _check_against_oracle(case, results[0], f"settings {SETTINGS[0]}")
     for setting, res in zip(SETTINGS[1:] + ["register copies", "half-A loads and push helpers off"], results[1:]):
         _assert_equal_runs(results[0], res, f"settings {SETTINGS[0]} vs {setting}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["megakernel", "cuda"])
+@pytest.mark.parametrize("virtual,split", [(False, 1), (False, 5), (True, 2)], ids=["P1-last", "P1-five", "P2-two"])
+def test_weight_segments_are_bitwise_the_stacked_weights(backend, virtual, split):
+    """Weights passed as two segments (the last experts in tensors of their own, as the fused
+    shared expert is): the megakernel's second pair of weight maps and the cuda backend's
+    launches per segment give the same bits as the stacked weights, gradients included."""
+    from .gpu_cases import gpu_case, run_case
+
+    tokens = [2500, 1800] if virtual else [3000]
+    case = gpu_case(161, tokens, 2048, 1024, 6, 4, "zipf")
+    group = LocalEPGroup(len(tokens)) if virtual else None
+    groups = group.ranks if virtual else [None]
+    streams = group.streams if virtual else None
+    config = MoKConfig(minibatch_rows=256, ring_rows=1024, timeout_s=20.0, max_tokens_per_rank=max(tokens))
+    stacked = run_case(case, groups, config, backend, streams)
+    _poison_workspaces_and_rings()
+    segmented = run_case(case, groups, config, backend, streams, split=split)
+    _check_against_oracle(case, segmented, f"{backend} segments, split {split}")
+    _assert_equal_runs(stacked, segmented, f"{backend}: stacked vs two segments (split {split})")
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ through ``mok_moe``), the fallbacks, the reverse order Megatron's distributed op
 produces, and that parameters keep their names, values and attributes.
 """
 
+import os
 from types import SimpleNamespace
 from unittest import mock
 
@@ -393,6 +394,50 @@ def _layer_zero_copy(rank, world, variant):
                                            (2, "reversed_on_rank0")])
 def test_layer_passes_views_of_the_parameters_and_gradients_match(world, variant):
     megatron_ranks(_layer_zero_copy, world, variant)
+
+
+def _fused_shared_zero_copy(rank, world, variant):
+    """The fused shared expert of one expert's size goes to mok_moe as a second weight segment
+    that IS its parameters (no copy), beside the routed experts' view; the loss and every
+    gradient equal those of the same model with the weights stacked (a copy)."""
+    import megatron_mok
+
+    from megatron_mok.megatron import MoKLayerSettings
+
+    megatron_mok.register()
+    settings = MoKLayerSettings(backend="reference", fuse_shared_expert=True)
+    config = tiny_config("mok", world, mok_settings=settings, moe_shared_expert_intermediate_size=16)
+    model = build_gpt(config, seed=7)
+    layers = [m for _, m in moe_layers(model)]
+    assert all(layer.fused_shared for layer in layers)
+    if variant == "reversed":
+        for layer in layers:
+            _reverse(layer)
+    with mock.patch.dict(os.environ, {ZERO_COPY_ENV: "0"}):
+        want_loss, want_grads = loss_and_grads(model, rank)
+    calls = []
+    with _recording_mok_moe(calls):
+        got_loss, got_grads = loss_and_grads(model, rank)
+    assert len(calls) == len(layers)
+    for layer, (fc1, fc2, _) in zip(layers, calls):
+        assert isinstance(fc1, tuple) and isinstance(fc2, tuple) and len(fc1) == len(fc2) == 2
+        (routed1, shared1), (routed2, shared2) = fc1, fc2
+        w1, w2 = _expert_lists(layer)
+        first = -1 if variant == "reversed" else 0
+        assert routed1.data_ptr() == w1[first].data_ptr() and routed2.data_ptr() == w2[first].data_ptr()
+        s1, s2 = layer.shared_experts.linear_fc1.weight, layer.shared_experts.linear_fc2.weight
+        assert shared1.shape == (1, *s1.shape) and shared2.shape == (1, *s2.shape)
+        assert shared1.data_ptr() == s1.data_ptr() and shared2.data_ptr() == s2.data_ptr()
+    assert torch.equal(got_loss, want_loss)
+    assert got_grads.keys() == want_grads.keys()
+    assert any(".shared_experts." in n for n in got_grads)
+    for name, want in want_grads.items():
+        assert torch.equal(got_grads[name], want), name
+
+
+@pytest.mark.parametrize("world,variant", [(1, "forward"), (2, "forward"), (2, "reversed")])
+def test_fused_shared_expert_is_passed_without_a_copy(world, variant):
+    megatron_ranks(_fused_shared_zero_copy, world, variant)
 
 
 def _conversions(rank, world):

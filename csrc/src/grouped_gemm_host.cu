@@ -32,7 +32,8 @@ __global__ void sum_partials_kernel(const float* partials, int slices, const int
                                     int L, int64_t rows_cap, float* out) {
   int64_t rows = offsets[L];
   if (rows > rows_cap) rows = rows_cap;
-  for (int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; r < rows;
+  // offsets[0] > 0 for a launch over a segment of the experts: only its rows.
+  for (int64_t r = offsets[0] + blockIdx.x * (int64_t)blockDim.x + threadIdx.x; r < rows;
        r += (int64_t)gridDim.x * blockDim.x) {
     float s = 0.f;
     for (int k = 0; k < slices; ++k) s += partials[k * rows_cap + r];

@@ -299,6 +299,9 @@ int check_args(const MokMegakernelArgs& a) {
   const bool any_save = a.save_x || a.save_w || a.save_gu;
   MOK_REQUIRE(!any_save || (a.save_x && a.save_w && a.save_gu));
   MOK_REQUIRE(!any_save || (aligned16(a.save_x) && aligned16(a.save_gu)));
+  MOK_REQUIRE((a.fc1_weight2 == nullptr) == (a.fc2_weight2 == nullptr));
+  MOK_REQUIRE(a.fc1_weight2 == nullptr ? a.L1 == a.L : (a.L1 >= 1 && a.L1 < a.L));
+  MOK_REQUIRE(a.fc1_weight2 == nullptr || (aligned16(a.fc1_weight2) && aligned16(a.fc2_weight2)));
   return MOK_OK;
 }
 
@@ -337,10 +340,19 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   KernelParams p{};
   int rc = g::encode_map_2d(&p.ops.fc1.map_a, a.ring_x, a.H, a.ring_rows, g::kBK, kBlockRows);
   if (rc == MOK_OK)
-    rc = g::encode_map_2d(&p.ops.fc1.map_b, a.fc1_weight, a.H, a.L * 2 * a.I, g::kBK, g::b_box_rows<Fc1Cfg>());
+    rc = g::encode_map_2d(&p.ops.fc1.map_b, a.fc1_weight, a.H, a.L1 * 2 * a.I, g::kBK, g::b_box_rows<Fc1Cfg>());
   if (rc == MOK_OK) rc = g::encode_map_2d(&p.ops.fc2.map_a, a.ring_h, a.I, a.ring_rows, g::kBK, kBlockRows);
   if (rc == MOK_OK)
-    rc = g::encode_map_2d(&p.ops.fc2.map_b, a.fc2_weight, a.I, a.L * a.H, g::kBK, g::b_box_rows<Fc2Cfg>());
+    rc = g::encode_map_2d(&p.ops.fc2.map_b, a.fc2_weight, a.I, a.L1 * a.H, g::kBK, g::b_box_rows<Fc2Cfg>());
+  p.ops.fc1_2 = p.ops.fc1;  // A is shared (sizes set below); B is the second segment's, if any
+  p.ops.fc2_2 = p.ops.fc2;
+  if (rc == MOK_OK && a.fc1_weight2 != nullptr)
+    rc = g::encode_map_2d(&p.ops.fc1_2.map_b, a.fc1_weight2, a.H, (a.L - a.L1) * 2 * a.I, g::kBK,
+                          g::b_box_rows<Fc1Cfg>());
+  if (rc == MOK_OK && a.fc2_weight2 != nullptr)
+    rc = g::encode_map_2d(&p.ops.fc2_2.map_b, a.fc2_weight2, a.I, (a.L - a.L1) * a.H, g::kBK,
+                          g::b_box_rows<Fc2Cfg>());
+  p.ops.L1 = (int)a.L1;
   if (rc == MOK_OK) rc = g::encode_map_2d(&p.ops.fc1_a_half, a.ring_x, a.H, a.ring_rows, g::kBK, kBlockRows / 2);
   if (rc == MOK_OK) rc = g::encode_map_2d(&p.ops.fc2_a_half, a.ring_h, a.I, a.ring_rows, g::kBK, kBlockRows / 2);
   if (rc != MOK_OK) return rc;
@@ -349,6 +361,10 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.ops.fc1.N = (int)(2 * a.I);
   p.ops.fc2.K = (int)a.I;
   p.ops.fc2.N = (int)a.H;
+  p.ops.fc1_2.K = p.ops.fc1.K;
+  p.ops.fc1_2.N = p.ops.fc1.N;
+  p.ops.fc2_2.K = p.ops.fc2.K;
+  p.ops.fc2_2.N = p.ops.fc2.N;
   p.ops.swiglu = {static_cast<__nv_bfloat16*>(a.ring_h), nullptr, a.ring_w, (int)a.I, a.ring_rows};
   p.ops.save_gu = static_cast<__nv_bfloat16*>(a.save_gu);
   p.ops.store = {static_cast<__nv_bfloat16*>(a.ring_x), (int)a.H, a.ring_rows};

@@ -35,7 +35,8 @@ def mok_moe(
 
     ``y[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``, the sum over j in a
     fixed order, with ``FFN_e(v) = (silu(v G_e^T) * (v U_e^T)) D_e^T``. Autograd-enabled:
-    gradients flow to ``x``, ``topk_weights``, ``fc1_weight`` and ``fc2_weight``.
+    gradients flow to ``x``, ``topk_weights``, ``fc1_weight`` and ``fc2_weight`` (each
+    segment's to it).
 
     Args:
         x: [T, H] tokens of this rank, bf16 (the reference also takes fp16, fp32, fp64).
@@ -43,8 +44,12 @@ def mok_moe(
             group as its local expert e % (E/P); -1 marks an unused slot.
         topk_weights: [T, K] fp32 router weights.
         fc1_weight: [E/P, 2I, H] local experts' fc1 (gate rows then up rows), as Megatron's
-            fc1 Linear weight.
-        fc2_weight: [E/P, H, I] local experts' fc2, as Megatron's fc2 Linear weight.
+            fc1 Linear weight; or a tuple of two weight segments [L_1, 2I, H], [L_2, 2I, H]
+            (L_1 + L_2 = E/P), local experts 0 .. L_1 - 1 and L_1 .. E/P - 1, e.g. the routed
+            experts and a shared expert that lives in parameters of its own: the GPU backends
+            read each where it lies (no copy), the reference backend concatenates them.
+        fc2_weight: [E/P, H, I] local experts' fc2, as Megatron's fc2 Linear weight; a tuple of
+            segments [L_1, H, I], [L_2, H, I] when fc1_weight is one.
         ep_group: the expert-parallel process group of P ranks; None means P = 1; a
             :class:`LocalEPRank` for virtual ranks on one GPU (GPU backends only). Every rank
             of the group must call ``mok_moe`` the same number of times, in the same order.

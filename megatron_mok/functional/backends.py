@@ -18,7 +18,7 @@ import torch
 
 from ..config import MoKConfig
 from .groups import LocalEPRank, group_size_rank
-from .validate import MoEShape, check_expert_ids_on_host
+from .validate import MoEShape, check_expert_ids_on_host, weight_segments
 
 log = logging.getLogger("megatron_mok")
 
@@ -108,8 +108,10 @@ def _log_once(message: str) -> None:
 
 
 def run_backend(name, x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_group, config, shape):
-    """Run backend ``name`` on validated inputs."""
+    """Run backend ``name`` on validated inputs (weights: tensors or tuples of weight segments;
+    the reference backend concatenates segments, the GPU backends read them where they lie)."""
     ep_size, _ = group_size_rank(ep_group)
+    fc1s, fc2s = weight_segments("fc1_weight", fc1_weight), weight_segments("fc2_weight", fc2_weight)
     if name == "reference":
         from ..reference import reference_moe
 
@@ -118,16 +120,15 @@ def run_backend(name, x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_g
                 "the reference backend exchanges data with torch.distributed collectives; "
                 "virtual ranks (LocalEPGroup) run only the GPU backends")
         check_expert_ids_on_host(topk_ids, shape.experts_per_rank * ep_size)
-        return reference_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight,
-                             ep_group=ep_group, tile_rows=config.tile_rows)
+        fc1, fc2 = (fc1s[0], fc2s[0]) if len(fc1s) == 1 else (torch.cat(fc1s), torch.cat(fc2s))
+        return reference_moe(x, topk_ids, topk_weights, fc1, fc2, ep_group=ep_group, tile_rows=config.tile_rows)
     if name == "cuda":
         from .cuda_backend import cuda_moe
 
-        return cuda_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight,
-                        ep_group=ep_group, config=config, shape=shape)
+        return cuda_moe(x, topk_ids, topk_weights, fc1s, fc2s, ep_group=ep_group, config=config, shape=shape)
     if name == "megakernel":
         from .megakernel_backend import megakernel_moe
 
-        return megakernel_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight,
-                              ep_group=ep_group, config=config, shape=shape)
+        return megakernel_moe(x, topk_ids, topk_weights, fc1s, fc2s, ep_group=ep_group, config=config,
+                              shape=shape)
     raise AssertionError(f"unknown backend {name}")

@@ -17,6 +17,12 @@ gradient comes out of the SwiGLU backward. Backward mirrors the forward: publish
 reverse-combine pulls it; fc2 dgrad, SwiGLU backward (d gate, d up, d router weight), fc1
 dgrad and the weight gradients; reverse-dispatch pushes dX and d router weight per slot;
 the fixed-order slot sum gives dx.
+
+Weight segments (``mok_moe``'s tuple weights: routed experts and a shared expert in tensors of
+their own) run each GEMM once per segment on its experts' rows (offsets and counts from the
+segment's first expert on), into one output, and give each segment its own weight gradient: no
+copy of any weight. That needs MoK's fused Hopper GEMMs; otherwise the segments are
+concatenated first (:func:`segmented_gemms_apply`).
 """
 
 from __future__ import annotations
@@ -122,9 +128,77 @@ def _weight_grad(call: _Call, a, b, offsets):
     return _grouped_mm(a.t(), b, offsets[1:])
 
 
+# ---- weight segments -------------------------------------------------------------------------
+
+def segmented_gemms_apply(call: _Call) -> bool:
+    """Whether the GEMMs can read weight segments where they lie: MoK's Hopper GEMMs with both
+    SwiGLU fusions (the launches over a segment are those kernels' ``offsets + l0`` form)."""
+    return call.hopper_gemms and call.fused_swiglu == (True, True)
+
+
+def _segments(weights, offsets, counts):
+    """(weight segment, its offsets [L_i + 1], its counts [L_i]) for each segment, in order."""
+    out, l0 = [], 0
+    for w in weights:
+        l1 = l0 + w.shape[0]
+        out.append((w, offsets[l0:l1 + 1], counts[l0:l1]))
+        l0 = l1
+    return out
+
+
+def _fc1_swiglu_segments(call: _Call, x_disp, fc1s, offsets, counts, w_disp):
+    """h bf16 [R, I] and gu bf16 [R, 2I], as ``mok_gemm.fc1_swiglu(..., save_preact=True)``
+    over the concatenated segments."""
+    R, two_i = x_disp.shape[0], fc1s[0].shape[1]
+    h, gu = x_disp.new_empty((R, two_i // 2)), x_disp.new_empty((R, two_i))
+    for w, offs, cnts in _segments(fc1s, offsets, counts):
+        v = mok_gemm.check_fc1_swiglu(x_disp, w, offs, cnts, w_disp, call.segment_rows)
+        mok_gemm.launch_fc1_swiglu(x_disp, w, offs, cnts, w_disp, h, gu, variant=v)
+    return h, gu
+
+
+def _fc2_segments(call: _Call, hw, fc2s, offsets, counts):
+    """out bf16 [R, H], as ``mok_gemm.fc2`` over the concatenated segments."""
+    out = hw.new_empty((hw.shape[0], fc2s[0].shape[1]))
+    for w, offs, _ in _segments(fc2s, offsets, counts):
+        v = mok_gemm.check_fc2(hw, w, offs, call.segment_rows)
+        mok_gemm.launch_fc2(hw, w, offs, out, variant=v)
+    return out
+
+
+def _fc2_dgrad_swiglu_segments(call: _Call, d_out, fc2s, ab, offsets, counts, w_disp):
+    """(d_ab bf16 [R, 2I], d router weight fp32 [R], h bf16 [R, I]), as
+    ``mok_gemm.fc2_dgrad_swiglu(..., want_h=True)`` over the concatenated segments."""
+    R, I = d_out.shape[0], fc2s[0].shape[2]
+    d_ab, h = d_out.new_empty((R, 2 * I)), d_out.new_empty((R, I))
+    dw = d_out.new_empty((R,), dtype=torch.float32)
+    scratch = d_out.new_empty((mok_gemm.dgrad_scratch_floats(R, I),), dtype=torch.float32)
+    for w, offs, cnts in _segments(fc2s, offsets, counts):
+        v = mok_gemm.check_fc2_dgrad_swiglu(d_out, w, ab, offs, cnts, w_disp, call.segment_rows)
+        mok_gemm.launch_fc2_dgrad_swiglu(d_out, w, ab, offs, cnts, w_disp, d_ab, h, dw, scratch, variant=v)
+    return d_ab, dw, h
+
+
+def _fc1_dgrad_segments(call: _Call, d_ab, fc1s, offsets, counts):
+    """dx rows bf16 [R, H], as ``mok_gemm.fc1_dgrad`` over the concatenated segments."""
+    dx = d_ab.new_empty((d_ab.shape[0], fc1s[0].shape[2]))
+    for w, offs, _ in _segments(fc1s, offsets, counts):
+        v = mok_gemm.check_fc1_dgrad(d_ab, w, offs, call.segment_rows)
+        mok_gemm.launch_fc1_dgrad(d_ab, w, offs, dx, variant=v)
+    return dx
+
+
+def _weight_grad_segments(a, b, weights, offsets, counts):
+    """Per segment [L_i, M, N] = a[rows of e]^T b[rows of e], bf16."""
+    return [mok_gemm.weight_grad(a, b, offs, out_dtype=torch.bfloat16) for _, offs, _ in
+            _segments(weights, offsets, counts)]
+
+
 class _CudaMoE(torch.autograd.Function):
+    """fc1_2 / fc2_2: None, or the second weight segment (local experts L1 ..), read in place."""
+
     @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, call: _Call):
+    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, call: _Call, fc1_2=None, fc2_2=None):
         ws = call.ws
         ws.raise_if_failed(call.timeout_s)
         T, K = topk_ids.shape
@@ -134,18 +208,22 @@ class _CudaMoE(torch.autograd.Function):
         table, counts, offsets, capacity = ws.build_schedule(call.segment_rows)
         x_disp, w_disp = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, table, offsets,
                                             K, capacity, H, True, call.comm_blocks)
-        if call.fused_swiglu[0]:
-            hw, ab = mok_gemm.fc1_swiglu(x_disp, fc1, offsets, counts, w_disp, tile_rows=call.segment_rows,
-                                         save_preact=True)          # [R, I], [R, 2I]
+        if fc1_2 is not None:  # weight segments (segmented_gemms_apply holds)
+            hw, ab = _fc1_swiglu_segments(call, x_disp, (fc1, fc1_2), offsets, counts, w_disp)
+            out_rows = _fc2_segments(call, hw, (fc2, fc2_2), offsets, counts)
         else:
-            ab = _row_gemm(call, mok_gemm.fc1_preact, x_disp, fc1, offsets, True)  # [R, 2I]
-            hw = swiglu_ops.swiglu_forward(ab, w_disp, offsets)     # [R, I]
-        out_rows = _row_gemm(call, mok_gemm.fc2, hw, fc2, offsets, True)       # [R, H]
+            if call.fused_swiglu[0]:
+                hw, ab = mok_gemm.fc1_swiglu(x_disp, fc1, offsets, counts, w_disp, tile_rows=call.segment_rows,
+                                             save_preact=True)          # [R, I], [R, 2I]
+            else:
+                ab = _row_gemm(call, mok_gemm.fc1_preact, x_disp, fc1, offsets, True)  # [R, 2I]
+                hw = swiglu_ops.swiglu_forward(ab, w_disp, offsets)     # [R, I]
+            out_rows = _row_gemm(call, mok_gemm.fc2, hw, fc2, offsets, True)       # [R, H]
         comm_ops.push_rows(ws.bases, ws.layout.slots, 0, table, offsets, K, out_rows, None, call.comm_blocks)
         ws.barrier(SITE_FWD_COMBINE, call.timeout_s)
         y, _ = comm_ops.sum_slots(ws.slots[:T], topk_ids, call.num_experts, None, ws.status)
         # The workspace is shared by every layer: keep what the backward needs outside it.
-        ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts)
+        ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts, fc1_2, fc2_2)
         ws.mirror_status()
         ctx.call = call
         ctx.tokens = T
@@ -153,7 +231,7 @@ class _CudaMoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts = ctx.saved_tensors
+        topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts, fc1_2, fc2_2 = ctx.saved_tensors
         call: _Call = ctx.call
         ws = call.ws
         ws.raise_if_failed(call.timeout_s)
@@ -163,21 +241,42 @@ class _CudaMoE(torch.autograd.Function):
         ws.barrier(SITE_BWD_DISPATCH, call.timeout_s)
         d_out, _ = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, 0, table, offsets, K, capacity, H,
                                       False, call.comm_blocks)
-        if call.fused_swiglu[1]:
-            d_ab, dw_rows, hw = mok_gemm.fc2_dgrad_swiglu(d_out, fc2, ab, offsets, counts, w_disp,
-                                                          tile_rows=call.segment_rows, want_h=True)
+        d_fc1_2 = d_fc2_2 = None
+        if fc1_2 is not None:  # weight segments: a gradient per segment
+            fc1s, fc2s = (fc1, fc1_2), (fc2, fc2_2)
+            d_ab, dw_rows, hw = _fc2_dgrad_swiglu_segments(call, d_out, fc2s, ab, offsets, counts, w_disp)
+            d_fc2, d_fc2_2 = _weight_grad_segments(d_out, hw, fc2s, offsets, counts)
+            d_fc1, d_fc1_2 = _weight_grad_segments(d_ab, x_disp, fc1s, offsets, counts)
+            dx_rows = _fc1_dgrad_segments(call, d_ab, fc1s, offsets, counts)
         else:
-            g = _row_gemm(call, mok_gemm.fc2_dgrad, d_out, fc2, offsets, False)  # dL/d(hw) [R, I]
-            d_ab, dw_rows, hw = swiglu_ops.swiglu_backward(ab, w_disp, g, offsets, True)
-        d_fc2 = _weight_grad(call, d_out, hw, offsets)                          # [L, H, I]
-        d_fc1 = _weight_grad(call, d_ab, x_disp, offsets)                       # [L, 2I, H]
-        dx_rows = _row_gemm(call, mok_gemm.fc1_dgrad, d_ab, fc1, offsets, False)  # [R, H]
+            if call.fused_swiglu[1]:
+                d_ab, dw_rows, hw = mok_gemm.fc2_dgrad_swiglu(d_out, fc2, ab, offsets, counts, w_disp,
+                                                              tile_rows=call.segment_rows, want_h=True)
+            else:
+                g = _row_gemm(call, mok_gemm.fc2_dgrad, d_out, fc2, offsets, False)  # dL/d(hw) [R, I]
+                d_ab, dw_rows, hw = swiglu_ops.swiglu_backward(ab, w_disp, g, offsets, True)
+            d_fc2 = _weight_grad(call, d_out, hw, offsets)                          # [L, H, I]
+            d_fc1 = _weight_grad(call, d_ab, x_disp, offsets)                       # [L, 2I, H]
+            dx_rows = _row_gemm(call, mok_gemm.fc1_dgrad, d_ab, fc1, offsets, False)  # [R, H]
         comm_ops.push_rows(ws.bases, ws.layout.slots, ws.layout.scalars, table, offsets, K, dx_rows, dw_rows,
                            call.comm_blocks)
         ws.barrier(SITE_BWD_COMBINE, call.timeout_s)
         dx, dw = comm_ops.sum_slots(ws.slots[:T], topk_ids, call.num_experts, ws.scalars[:T], ws.status)
         ws.mirror_status()
-        return dx, None, dw, d_fc1, d_fc2, None
+        return dx, None, dw, d_fc1, d_fc2, None, d_fc1_2, d_fc2_2
+
+
+def weight_arguments(fc1s, fc2s, call: _Call):
+    """The weight arguments of the autograd functions, (fc1, fc2, fc1_2, fc2_2): the segments
+    themselves where the GEMMs read segments (:func:`segmented_gemms_apply`), else one tensor
+    each (concatenated, a copy, when there are two segments; fc1_2 = fc2_2 = None)."""
+    fc1s = tuple(w.contiguous() for w in fc1s)  # TMA maps need row-major weights
+    fc2s = tuple(w.contiguous() for w in fc2s)
+    if len(fc1s) == 1:
+        return fc1s[0], fc2s[0], None, None
+    if segmented_gemms_apply(call):
+        return fc1s[0], fc2s[0], fc1s[1], fc2s[1]
+    return torch.cat(fc1s), torch.cat(fc2s), None, None
 
 
 def cuda_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_group: EPGroup, config: MoKConfig,
@@ -185,7 +284,8 @@ def cuda_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_group: EPG
     """The ``cuda`` backend of :func:`megatron_mok.functional.mok_moe` (validated inputs).
 
     Args: as ``mok_moe``: x bf16 [T, H]; topk_ids int64 [T, K]; topk_weights fp32 [T, K];
-        fc1_weight bf16 [L, 2I, H]; fc2_weight bf16 [L, H, I].
+        fc1_weight: tuple of bf16 [L_i, 2I, H] weight segments; fc2_weight: tuple of bf16
+        [L_i, H, I] (sum L_i = L).
 
     Returns:
         y bf16 [T, H].
@@ -200,5 +300,6 @@ def cuda_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_group: EPG
                  num_experts=P * shape.experts_per_rank, comm_blocks=0,
                  hopper_gemms=hopper_gemms_apply(shape, config.tile_rows),
                  fused_swiglu=fused_swiglu_apply(shape, config.tile_rows))
-    return _CudaMoE.apply(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
-                          fc1_weight, fc2_weight, call)
+    fc1, fc2, fc1_2, fc2_2 = weight_arguments(fc1_weight, fc2_weight, call)
+    return _CudaMoE.apply(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), fc1, fc2, call,
+                          fc1_2, fc2_2)

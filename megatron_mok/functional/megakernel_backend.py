@@ -150,8 +150,10 @@ class _Call:
 
 
 class _MegakernelMoE(torch.autograd.Function):
+    """fc1_2 / fc2_2: None, or the second weight segment (local experts L1 ..), read in place."""
+
     @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, call: _Call):
+    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, call: _Call, fc1_2=None, fc2_2=None):
         ws, ring, cfg = call.ws, call.ring, call.config
         training = any(ctx.needs_input_grad)
         ws.raise_if_failed(call.timeout_s)
@@ -174,21 +176,20 @@ class _MegakernelMoE(torch.autograd.Function):
         y = mk_ops.megakernel_forward(
             ws.bases, ws.signal_bases, ws.layout.rows, ws.layout.scalars, ws.layout.slots, table, offsets, counts,
             topk_ids, fc1, fc2, ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, ws.rank,
-            cfg.minibatch_rows, cfg.comm_sms_forward, call.num_ctas, int(call.timeout_s * 1e9), trace, *saved)
+            cfg.minibatch_rows, cfg.comm_sms_forward, call.num_ctas, int(call.timeout_s * 1e9), trace, *saved,
+            fc1_2, fc2_2)
         ws.mirror_status()
         if training:
-            ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, *saved, counts)
+            ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, *saved, counts, fc1_2, fc2_2)
             ctx.call = call
             ctx.tokens = x.shape[0]
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts = ctx.saved_tensors
-        inner = SimpleNamespace(saved_tensors=(topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts),
-                                call=ctx.call.cuda_call, tokens=ctx.tokens)
-        dx, _, dw, d_fc1, d_fc2, _ = cuda_backend._CudaMoE.backward(inner, dy)
-        return dx, None, dw, d_fc1, d_fc2, None
+        inner = SimpleNamespace(saved_tensors=ctx.saved_tensors, call=ctx.call.cuda_call, tokens=ctx.tokens)
+        dx, _, dw, d_fc1, d_fc2, _, d_fc1_2, d_fc2_2 = cuda_backend._CudaMoE.backward(inner, dy)
+        return dx, None, dw, d_fc1, d_fc2, None, d_fc1_2, d_fc2_2
 
 
 def megakernel_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_group: EPGroup,
@@ -196,7 +197,9 @@ def megakernel_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_grou
     """The ``megakernel`` backend of :func:`megatron_mok.functional.mok_moe` (validated inputs).
 
     Args: as ``mok_moe``: x bf16 [T, H]; topk_ids int64 [T, K]; topk_weights fp32 [T, K];
-        fc1_weight bf16 [L, 2I, H]; fc2_weight bf16 [L, H, I].
+        fc1_weight: tuple of bf16 [L_i, 2I, H] weight segments (one or two); fc2_weight: tuple
+        of bf16 [L_i, H, I]. A second segment gets its own pair of weight tensor maps in the
+        launch (and its own launches in the backward): no copy.
 
     Returns:
         y bf16 [T, H].
@@ -220,10 +223,12 @@ def megakernel_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_grou
     call = _Call(ws=ws, ring=ring, config=resolved, num_ctas=num_ctas, timeout_s=float(config.timeout_s),
                  cuda_call=cuda_call)
     x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
-    fc1_weight, fc2_weight = fc1_weight.contiguous(), fc2_weight.contiguous()  # TMA maps need row-major
+    # Segments stay where they are when the backward's GEMMs can read them too; else one copy.
+    fc1, fc2, fc1_2, fc2_2 = cuda_backend.weight_arguments(fc1_weight, fc2_weight, cuda_call)
     # Everything the launch will check, before any GPU work (the schedule is built later).
-    mk_ops.check_forward_args(ws.bases, ws.signal_bases, None, None, None, topk_ids, fc1_weight, fc2_weight,
+    mk_ops.check_forward_args(ws.bases, ws.signal_bases, None, None, None, topk_ids, fc1, fc2,
                               ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, rank=ws.rank,
                               minibatch_rows=resolved.minibatch_rows, comm_ctas=resolved.comm_sms_forward,
-                              num_ctas=num_ctas, timeout_ns=int(config.timeout_s * 1e9))
-    return _MegakernelMoE.apply(x, topk_ids, topk_weights, fc1_weight, fc2_weight, call)
+                              num_ctas=num_ctas, timeout_ns=int(config.timeout_s * 1e9),
+                              fc1_weight2=fc1_2, fc2_weight2=fc2_2)
+    return _MegakernelMoE.apply(x, topk_ids, topk_weights, fc1, fc2, call, fc1_2, fc2_2)

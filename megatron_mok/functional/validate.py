@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 BACKENDS = ("auto", "reference", "cuda", "megakernel")
+MAX_WEIGHT_SEGMENTS = 2
+"""fc1_weight / fc2_weight may each be a sequence of up to this many tensors (weight segments)."""
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -40,6 +42,21 @@ def check_backend_name(backend: str) -> None:
         raise MoKInputError(f"backend={backend!r} is not one of {BACKENDS}")
 
 
+def weight_segments(name: str, weight) -> tuple:
+    """``weight`` (a tensor, or a tuple or list of 1 to :data:`MAX_WEIGHT_SEGMENTS` tensors) as a
+    tuple of tensors; no checks of their shapes (see :func:`check_inputs`)."""
+    if isinstance(weight, torch.Tensor):
+        return (weight,)
+    if isinstance(weight, (tuple, list)) and 1 <= len(weight) <= MAX_WEIGHT_SEGMENTS:
+        for i, t in enumerate(weight):
+            if not isinstance(t, torch.Tensor):
+                raise MoKInputError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        return tuple(weight)
+    raise MoKInputError(
+        f"{name} must be a torch.Tensor or a tuple of 1 to {MAX_WEIGHT_SEGMENTS} tensors (weight segments), "
+        f"got {type(weight).__name__}" + (f" of length {len(weight)}" if isinstance(weight, (tuple, list)) else ""))
+
+
 def check_inputs(x, topk_ids, topk_weights, fc1_weight, fc2_weight) -> MoEShape:
     """Check the arguments of ``mok_moe`` against the contract and return their sizes.
 
@@ -47,20 +64,29 @@ def check_inputs(x, topk_ids, topk_weights, fc1_weight, fc2_weight) -> MoEShape:
         x: [T, H] floating tokens.
         topk_ids: [T, K] int64 global expert ids.
         topk_weights: [T, K] float32 (float64 allowed when x is float64) router weights.
-        fc1_weight: [L, 2I, H] in x's dtype; fc2_weight: [L, H, I] in x's dtype.
+        fc1_weight: [L, 2I, H] in x's dtype; fc2_weight: [L, H, I] in x's dtype. Either may be a
+            tuple of weight segments ([L_1, 2I, H], [L_2, 2I, H]; L = L_1 + L_2), the other then
+            a tuple of the same length with the same L_i.
 
     Raises:
         MoKInputError: naming the argument, what it is and what is supported.
     """
-    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
-                    ("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
+    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if not isinstance(t, torch.Tensor):
             raise MoKInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    fc1s, fc2s = weight_segments("fc1_weight", fc1_weight), weight_segments("fc2_weight", fc2_weight)
+    if len(fc1s) != len(fc2s):
+        raise MoKInputError(f"fc1_weight has {len(fc1s)} weight segments and fc2_weight {len(fc2s)}; "
+                            "they must have the same number")
+    named1 = [("fc1_weight" if len(fc1s) == 1 else f"fc1_weight[{i}]", w) for i, w in enumerate(fc1s)]
+    named2 = [("fc2_weight" if len(fc2s) == 1 else f"fc2_weight[{i}]", w) for i, w in enumerate(fc2s)]
     _expect_dims("x", x, 2, "[T, H]")
     _expect_dims("topk_ids", topk_ids, 2, "[T, K]")
     _expect_dims("topk_weights", topk_weights, 2, "[T, K]")
-    _expect_dims("fc1_weight", fc1_weight, 3, "[E/P, 2I, H]")
-    _expect_dims("fc2_weight", fc2_weight, 3, "[E/P, H, I]")
+    for name, w in named1:
+        _expect_dims(name, w, 3, "[E/P, 2I, H]")
+    for name, w in named2:
+        _expect_dims(name, w, 3, "[E/P, H, I]")
 
     if x.dtype not in FLOAT_DTYPES:
         raise MoKInputError(f"x has dtype {x.dtype}; supported: {FLOAT_DTYPES}")
@@ -72,7 +98,7 @@ def check_inputs(x, topk_ids, topk_weights, fc1_weight, fc2_weight) -> MoEShape:
             f"topk_weights has dtype {topk_weights.dtype}; it must be torch.float32"
             + (" or torch.float64" if x.dtype == torch.float64 else "")
         )
-    for name, w in (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
+    for name, w in named1 + named2:
         if w.dtype != x.dtype:
             raise MoKInputError(f"{name} has dtype {w.dtype} but x has {x.dtype}; they must match")
 
@@ -85,21 +111,26 @@ def check_inputs(x, topk_ids, topk_weights, fc1_weight, fc2_weight) -> MoEShape:
     topk = topk_ids.shape[1]
     if topk < 1:
         raise MoKInputError(f"top-k is {topk}; it must be at least 1")
-    experts, two_i, h1 = fc1_weight.shape
-    if experts < 1:
-        raise MoKInputError("fc1_weight holds no experts (shape[0] == 0)")
-    if h1 != hidden or two_i % 2 or two_i == 0:
-        raise MoKInputError(
-            f"fc1_weight is {tuple(fc1_weight.shape)}; it must be [E/P, 2I, H] with H = {hidden} "
-            "and an even, non-zero 2I (gate rows then up rows)"
-        )
+    two_i = fc1s[0].shape[1]
+    experts = 0
+    for (name1, w1), (name2, w2) in zip(named1, named2):
+        count, two_i1, h1 = w1.shape
+        if count < 1:
+            raise MoKInputError(f"{name1} holds no experts (shape[0] == 0)")
+        if h1 != hidden or two_i1 % 2 or two_i1 == 0 or two_i1 != two_i:
+            raise MoKInputError(
+                f"{name1} is {tuple(w1.shape)}; it must be [E/P, 2I, H] with H = {hidden} "
+                "and an even, non-zero 2I (gate rows then up rows)"
+                + ("" if len(named1) == 1 else f", the same 2I = {two_i} in every segment")
+            )
+        if tuple(w2.shape) != (count, hidden, two_i // 2):
+            raise MoKInputError(
+                f"{name2} is {tuple(w2.shape)}; it must be [E/P, H, I] = "
+                f"{(count, hidden, two_i // 2)} to match {name1} {tuple(w1.shape)}"
+            )
+        experts += count
     inter = two_i // 2
-    if tuple(fc2_weight.shape) != (experts, hidden, inter):
-        raise MoKInputError(
-            f"fc2_weight is {tuple(fc2_weight.shape)}; it must be [E/P, H, I] = "
-            f"{(experts, hidden, inter)} to match fc1_weight {tuple(fc1_weight.shape)}"
-        )
-    devices = {t.device for t in (x, topk_ids, topk_weights, fc1_weight, fc2_weight)}
+    devices = {t.device for t in (x, topk_ids, topk_weights, *fc1s, *fc2s)}
     if len(devices) != 1:
         raise MoKInputError(f"all arguments must be on one device, got {sorted(map(str, devices))}")
     return MoEShape(tokens=tokens, hidden=hidden, topk=topk, experts_per_rank=experts, ffn_hidden=inter)

@@ -97,7 +97,9 @@ def shared_expert_weights(shared, expert_ffn: int) -> Tuple[List[torch.Tensor], 
         expert_ffn: I, the routed experts' FFN size.
 
     Returns:
-        (fc1, fc2): lists of n views/slices, fc1[k] [2I, H], fc2[k] [H, I].
+        (fc1, fc2): lists of n tensors, fc1[k] [2I, H], fc2[k] [H, I]. For n = 1 the parameters
+        themselves (no copy); for n > 1 fc1[k] is a copy (its gate and up rows are not adjacent
+        in the parameter) and fc2[k] a column slice.
     """
     w1 = shared.linear_fc1.weight
     w2 = shared.linear_fc2.weight
@@ -105,6 +107,8 @@ def shared_expert_weights(shared, expert_ffn: int) -> Tuple[List[torch.Tensor], 
     if size % expert_ffn:
         raise ValueError(f"shared-expert size {size} is not a multiple of the expert FFN size {expert_ffn}")
     n = size // expert_ffn
+    if n == 1:
+        return [w1], [w2]
     gate, up = w1[:size], w1[size:]
     fc1 = [torch.cat([gate[k * expert_ffn:(k + 1) * expert_ffn], up[k * expert_ffn:(k + 1) * expert_ffn]])
            for k in range(n)]

@@ -166,17 +166,26 @@ class MoKMoELayer(MoELayer):
         except (TypeError, RuntimeError):
             return None
 
-    def _expert_weights(self) -> Tuple[torch.Tensor, torch.Tensor, int, bool]:
-        """fc1 [L', 2I, H] and fc2 [L', H, I] of this rank's experts (the fused shared experts
-        last), the number of fused shared experts, and whether the local experts are stacked in
-        reverse order (expert L - 1 first; the caller renumbers the top-k ids to match).
+    def _expert_weights(self):
+        """fc1 and fc2 of this rank's experts, the number of fused shared experts, and whether the
+        local experts are stacked in reverse order (expert L - 1 first; the caller renumbers the
+        top-k ids to match).
+
+        Returns:
+            (fc1, fc2, shared, reverse): fc1 [L, 2I, H] and fc2 [L, H, I] (routed experts); with
+            the fused shared expert, two weight segments each, (routed [L, 2I, H], shared
+            [n, 2I, H]) and (routed [L, H, I], shared [n, H, I]), which ``mok_moe`` reads where
+            they lie.
 
         Routed experts are views of the parameters' storage, without a copy, when the
         parameters lie stacked in it: in order (as built by this layer, kept by Megatron's DDP
         without the distributed optimizer), or in reverse order (Megatron's distributed
         optimizer puts ``TEGroupedMLP``'s weights into its parameter buffer that way) provided
-        every EP rank's layout allows it. Any other layout, and the fused shared expert (its
-        weights are slices of the shared expert's), costs one ``torch.stack`` copy.
+        every EP rank's layout allows it. Any other layout costs one ``torch.stack`` copy. The
+        fused shared expert is its parameters themselves when it is one expert's size
+        (``moe_shared_expert_intermediate_size`` = ``moe_ffn_hidden_size``: DeepSeek-V3,
+        Kimi-K2), else a copy of its n expert-sized slices. ``MOK_ZERO_COPY_EXPERT_WEIGHTS=0``
+        stacks everything into one tensor instead (a copy).
         """
         # The expert modules' forward is never called: run their forward pre-hooks (Megatron's
         # DDP waits for their parameters' all-gather there with --overlap-param-gather).
@@ -184,17 +193,18 @@ class MoKMoELayer(MoELayer):
         if self.fused_shared:
             run_forward_pre_hooks(self.shared_experts)
         fc1, fc2 = local_expert_weights(self.experts, self.num_local_experts)
-        if not zero_copy_enabled():
-            if self.fused_shared:
-                sh1, sh2 = shared_expert_weights(self.shared_experts, self.config.moe_ffn_hidden_size)
-                return torch.stack(fc1 + sh1), torch.stack(fc2 + sh2), len(sh1), False
-            return torch.stack(fc1), torch.stack(fc2), 0, False
+        sh1, sh2 = ([], [])
         if self.fused_shared:
             sh1, sh2 = shared_expert_weights(self.shared_experts, self.config.moe_ffn_hidden_size)
+        if not zero_copy_enabled():
             return torch.stack(fc1 + sh1), torch.stack(fc2 + sh2), len(sh1), False
         layout1, layout2 = expert_layout(fc1), expert_layout(fc2)
         reverse = self._reversed_expert_order(layout1, layout2, fc1[0].device)
-        return stack_experts(fc1, layout1, reverse), stack_experts(fc2, layout2, reverse), 0, reverse
+        routed1, routed2 = stack_experts(fc1, layout1, reverse), stack_experts(fc2, layout2, reverse)
+        if not self.fused_shared:
+            return routed1, routed2, 0, reverse
+        shared1, shared2 = stack_experts(sh1, expert_layout(sh1)), stack_experts(sh2, expert_layout(sh2))
+        return (routed1, shared1), (routed2, shared2), len(sh1), reverse
 
     def _reversed_expert_order(self, layout1, layout2, device) -> bool:
         """Whether to stack the local experts in reverse order.

@@ -69,6 +69,7 @@ class MegakernelArgs(ctypes.Structure):
         ("ring_rows", _i64), ("minibatch_rows", _i64), ("comm_ctas", _i64), ("num_ctas", _i64),
         ("trace", _v), ("trace_capacity", _i64),
         ("save_x", _v), ("save_w", _v), ("save_gu", _v),
+        ("fc1_weight2", _v), ("fc2_weight2", _v), ("L1", _i64),
     ]
 
 
@@ -134,7 +135,8 @@ def _tensor(name, t, dtype, ndim=None, numel=None, shape=None, device=None):
 
 def check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc1_weight, fc2_weight,
                        ring_x, ring_h, ring_w, counters, epoch_counter, status, *, rank: int,
-                       minibatch_rows: int, comm_ctas: int, num_ctas: int, timeout_ns: int) -> None:
+                       minibatch_rows: int, comm_ctas: int, num_ctas: int, timeout_ns: int,
+                       fc1_weight2=None, fc2_weight2=None) -> None:
     """Validate :func:`megakernel_forward`'s arguments (shapes, dtypes, the tunables' rules).
     ``table``, ``offsets`` and ``counts`` may be None (checked later, when the schedule exists)."""
     _tensor("fc1_weight", fc1_weight, torch.bfloat16, 3)
@@ -142,6 +144,17 @@ def check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc
     L, two_i, H = fc1_weight.shape
     I = two_i // 2
     _tensor("fc2_weight", fc2_weight, torch.bfloat16, shape=(L, H, I), device=dev)
+    if (fc1_weight2 is None) != (fc2_weight2 is None):
+        _fail("fc1_weight2 and fc2_weight2 go together (the second weight segment): got only "
+              + ("fc1_weight2" if fc2_weight2 is None else "fc2_weight2"))
+    if fc1_weight2 is not None:
+        _tensor("fc1_weight2", fc1_weight2, torch.bfloat16, 3, device=dev)
+        L2 = fc1_weight2.shape[0]
+        _tensor("fc1_weight2", fc1_weight2, torch.bfloat16, shape=(L2, two_i, H))
+        _tensor("fc2_weight2", fc2_weight2, torch.bfloat16, shape=(L2, H, I), device=dev)
+        if L2 < 1:
+            _fail("fc1_weight2 holds no experts; pass None for no second segment")
+        L += L2
     if not 1 <= L <= MAX_EXPERTS:
         _fail(f"L = {L} local experts is outside [1, {MAX_EXPERTS}]")
     if H % FC2_COLS:
@@ -210,7 +223,8 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
                        epoch_counter: torch.Tensor, status: torch.Tensor, rank: int, minibatch_rows: int,
                        comm_ctas: int, num_ctas: int, timeout_ns: int,
                        trace: Optional[torch.Tensor], save_x: Optional[torch.Tensor],
-                       save_w: Optional[torch.Tensor], save_gu: Optional[torch.Tensor]) -> torch.Tensor:
+                       save_w: Optional[torch.Tensor], save_gu: Optional[torch.Tensor],
+                       fc1_weight2: Optional[torch.Tensor], fc2_weight2: Optional[torch.Tensor]) -> torch.Tensor:
     """One MoE layer forward in one persistent launch (after the schedule kernel).
 
     Args:
@@ -220,7 +234,8 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
         signal_bases: int64 [P] device addresses of every rank's uint64 [P] flag array.
         table: int32 [R_cap, 2], offsets: int32 [L + 1], counts: int32 [L]: the schedule.
         topk_ids: int64 [T, K] this rank's ids (which slots the sum adds).
-        fc1_weight: bf16 [L, 2I, H]; fc2_weight: bf16 [L, H, I].
+        fc1_weight: bf16 [L1, 2I, H]; fc2_weight: bf16 [L1, H, I]: the local experts' weights, or
+            the first L1 of them when a second segment follows.
         ring_x: bf16 [ring_rows, H]; ring_h: bf16 [ring_rows, I]; ring_w: fp32 [ring_rows];
         counters: int32 [counter_words(ring_rows)]: the ring and its counters (overwritten).
         epoch_counter: int64 [1], the workspace's barrier counter (advanced by one).
@@ -233,20 +248,25 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
             [R_cap, 2I] (R_cap = table rows), overwritten with the pulled rows, their router
             weights and the fc1 pre-activation at their expert-grouped layout rows (padding rows
             zero): what the cuda backend's backward reads.
+        fc1_weight2, fc2_weight2: None, or bf16 [L2, 2I, H] and [L2, H, I]: local experts
+            L1 .. L1 + L2 - 1 (a shared expert kept in its own parameters, no copy). The schedule
+            then covers L = L1 + L2 experts.
 
     Returns:
         y: bf16 [T, H], the weighted sum over the top-k slots (NaN if a status flag is set).
     """
     check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc1_weight, fc2_weight, ring_x,
                        ring_h, ring_w, counters, epoch_counter, status, rank=rank, minibatch_rows=minibatch_rows,
-                       comm_ctas=comm_ctas, num_ctas=num_ctas, timeout_ns=timeout_ns)
+                       comm_ctas=comm_ctas, num_ctas=num_ctas, timeout_ns=timeout_ns,
+                       fc1_weight2=fc1_weight2, fc2_weight2=fc2_weight2)
     if trace is not None:
         _tensor("trace", trace, torch.int64, 2, device=fc1_weight.device)
         if trace.shape[1] != len(TRACE_FIELDS):
             _fail(f"trace must be [N, {len(TRACE_FIELDS)}], got {tuple(trace.shape)}")
     check_save_args(save_x, save_w, save_gu, table, fc1_weight)
     T, K = topk_ids.shape
-    L, two_i, H = fc1_weight.shape
+    L1, two_i, H = fc1_weight.shape
+    L = L1 + (fc1_weight2.shape[0] if fc1_weight2 is not None else 0)
     y = torch.empty((T, H), dtype=torch.bfloat16, device=fc1_weight.device)
     args = MegakernelArgs(
         bases=bases.data_ptr(), signal_bases=signal_bases.data_ptr(), rows_offset=rows_offset,
@@ -259,7 +279,9 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
         ring_rows=ring_x.shape[0], minibatch_rows=minibatch_rows, comm_ctas=comm_ctas, num_ctas=num_ctas,
         trace=trace.data_ptr() if trace is not None else 0, trace_capacity=trace.shape[0] if trace is not None else 0,
         save_x=save_x.data_ptr() if save_x is not None else 0, save_w=save_w.data_ptr() if save_w is not None else 0,
-        save_gu=save_gu.data_ptr() if save_gu is not None else 0)
+        save_gu=save_gu.data_ptr() if save_gu is not None else 0,
+        fc1_weight2=fc1_weight2.data_ptr() if fc1_weight2 is not None else 0,
+        fc2_weight2=fc2_weight2.data_ptr() if fc2_weight2 is not None else 0, L1=L1)
     lib, fns = _lib()
     lib.check(fns["forward"](ctypes.byref(args), stream_of(y)), "mok_megakernel_forward")
     return y
@@ -268,5 +290,5 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
 @megakernel_forward.register_fake
 def _(bases, signal_bases, rows_offset, scalars_offset, slots_offset, table, offsets, counts, topk_ids,
       fc1_weight, fc2_weight, ring_x, ring_h, ring_w, counters, epoch_counter, status, rank, minibatch_rows,
-      comm_ctas, num_ctas, timeout_ns, trace, save_x, save_w, save_gu):
+      comm_ctas, num_ctas, timeout_ns, trace, save_x, save_w, save_gu, fc1_weight2, fc2_weight2):
     return fc1_weight.new_empty((topk_ids.shape[0], fc1_weight.shape[2]))

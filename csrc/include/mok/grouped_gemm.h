@@ -5,7 +5,11 @@
 // the expert-grouped activations, the first counts[l] real and the rest padding. Every offset
 // must be a multiple of `block_m` (64 or 128; the schedule's tile_rows, or a divisor of it),
 // and offsets[L] <= rows_cap. The host passes only rows_cap, the capacity the buffers are
-// allocated for; rows >= offsets[L] of every output are left untouched. All matrices are
+// allocated for; rows outside [offsets[0], offsets[L]) of every output are left untouched.
+// offsets[0] may be above 0: offsets + l0 and counts + l0 with a weight tensor of experts
+// l0.. l0 + L - 1 run one segment of the experts (the same rows and results as those experts
+// in a launch over all of them), so experts whose weights lie in separate tensors (a shared
+// expert beside the routed ones) need no copy. All matrices are
 // row-major and contiguous; "bf16" pointers are __nv_bfloat16 and 16-byte aligned.
 // Shapes: x [R, H]; fc1_weight [L, 2I, H] (gate rows, then up rows); fc2_weight [L, H, I];
 // h [R, I]; gu [R, 2I] (fc1 pre-activation: gate columns, then up); y, dy, dx [R, H].

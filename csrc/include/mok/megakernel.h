@@ -26,8 +26,9 @@ typedef struct MokMegakernelArgs {
   const int32_t* offsets;        // int32 [L + 1], multiples of 128
   const int32_t* counts;         // int32 [L]
   const int64_t* topk_ids;       // this rank's int64 [T, K] ids (null when T == 0)
-  const void* fc1_weight;        // bf16 [L, 2I, H] (gate rows, then up rows)
-  const void* fc2_weight;        // bf16 [L, H, I]
+  const void* fc1_weight;        // bf16 [L1, 2I, H] (gate rows, then up rows); L1 = L unless
+                                 // a second segment (below) holds the last experts
+  const void* fc2_weight;        // bf16 [L1, H, I]
   void* ring_x;                  // bf16 [ring_rows, H]: pulled x rows, then the block's output rows
   void* ring_h;                  // bf16 [ring_rows, I]: w * silu(x G^T) * (x U^T)
   float* ring_w;                 // fp32 [ring_rows]: router weight of each ring row
@@ -51,6 +52,13 @@ typedef struct MokMegakernelArgs {
   void* save_x;
   float* save_w;
   void* save_gu;
+  // A second weight segment, for experts whose weights lie in tensors of their own (a shared
+  // expert next to the routed ones, without a copy): local experts L1 .. L - 1 take their
+  // weights from fc1_weight2 bf16 [L - L1, 2I, H] and fc2_weight2 bf16 [L - L1, H, I]; the
+  // first two weight tensors then hold experts 0 .. L1 - 1. Both null and L1 = L otherwise.
+  const void* fc1_weight2;
+  const void* fc2_weight2;
+  int64_t L1;
 } MokMegakernelArgs;
 
 MOK_API int64_t mok_megakernel_args_bytes(void);

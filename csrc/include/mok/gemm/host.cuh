@@ -22,7 +22,8 @@ int encode_map_2d(CUtensorMap* map, const void* base, uint64_t inner, uint64_t o
 // Multiprocessors of the current device.
 cudaError_t sm_count(int* out);
 
-// out[r] = sum over s in order of partials[s * rows_cap + r], for r < min(offsets[L], rows_cap).
+// out[r] = sum over s in order of partials[s * rows_cap + r], for offsets[0] <= r <
+// min(offsets[L], rows_cap).
 int sum_partials(const float* partials, int slices, const int32_t* offsets, int L,
                  int64_t rows_cap, float* out, cudaStream_t stream);
 

@@ -35,22 +35,26 @@ struct RowTile {
 };
 
 // offs: the CTA's shared-memory copy of offsets[0..L]; counts: device counts[L] (or null: no
-// padding mask).
+// padding mask). offs[0] need not be 0: a launch over a segment of the experts (offsets and
+// counts from expert l0 on) tiles rows offs[0] .. offs[L] only.
 struct RowScheduler {
   const int32_t* offs;
   const int32_t* counts;
   int L, bm, num_cb, total;
+  int first;  // tile index of row offs[0]
 
   __device__ __forceinline__ RowScheduler(const int32_t* offs_, const int32_t* counts_, int L_,
                                           int bm_, int num_cb_, int64_t rows_cap)
       : offs(offs_), counts(counts_), L(L_), bm(bm_), num_cb(num_cb_) {
     int64_t r_pad = offs[L];
     if (r_pad > rows_cap) r_pad = rows_cap;
-    if (r_pad < 0) r_pad = 0;
-    total = static_cast<int>(r_pad / bm) * num_cb;
+    first = (offs[0] / bm) * num_cb;
+    total = static_cast<int>(r_pad / bm) * num_cb - first;
+    if (total < 0) total = 0;
   }
 
   __device__ __forceinline__ RowTile tile(int t) const {
+    t += first;
     // Largest expert l whose first tile index offs[l] / bm * num_cb is <= t.
     int lo = 0, hi = L - 1;
     while (lo < hi) {

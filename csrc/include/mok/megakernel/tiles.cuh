@@ -54,8 +54,13 @@ struct StageRecord {
 };
 
 struct TileOperands {
-  gemm::RowOperands fc1;  // A: ring x [ring_rows, H]; B: fc1 weight [L * 2I, H]; K = H, N = 2I
-  gemm::RowOperands fc2;  // A: ring h [ring_rows, I]; B: fc2 weight [L * H, I]; K = I, N = H
+  gemm::RowOperands fc1;  // A: ring x [ring_rows, H]; B: fc1 weight [L1 * 2I, H]; K = H, N = 2I
+  gemm::RowOperands fc2;  // A: ring h [ring_rows, I]; B: fc2 weight [L1 * H, I]; K = I, N = H
+  // The same for experts L1 .. L - 1, whose weights lie in a second pair of tensors (a shared
+  // expert kept in its own parameters); L1 = L when there is none.
+  gemm::RowOperands fc1_2;
+  gemm::RowOperands fc2_2;
+  int L1;
   // The same A operands with a 64-row box: a tile whose rows 64.. are all padding loads only
   // its first 64 rows (an expert's last block; at ~170 rows per expert, half of all blocks).
   CUtensorMap fc1_a_half;
@@ -124,6 +129,10 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
   gemm::tma_prefetch_descriptor(&ops.fc1.map_b);
   gemm::tma_prefetch_descriptor(&ops.fc2.map_a);
   gemm::tma_prefetch_descriptor(&ops.fc2.map_b);
+  if (ops.L1 < cx.L) {
+    gemm::tma_prefetch_descriptor(&ops.fc1_2.map_b);
+    gemm::tma_prefetch_descriptor(&ops.fc2_2.map_b);
+  }
   if (ops.half_a) {
     gemm::tma_prefetch_descriptor(&ops.fc1_a_half);
     gemm::tma_prefetch_descriptor(&ops.fc2_a_half);
@@ -167,12 +176,16 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
     rec.row_end = rec.row0 + real;
     rec.index = i;
     rec.block = it.block;
-    const gemm::RowTile t{e, rec.row0, it.col, rec.row_end, true};
+    // The tile's expert indexes its weight segment.
+    const bool second = e >= ops.L1;
+    const gemm::RowTile t{second ? e - ops.L1 : e, rec.row0, it.col, rec.row_end, true};
     const bool half = ops.half_a && real <= kBlockRows / 2;
     if (it.kind == kFc1)
-      load_tile<Fc1Cfg>(ops.fc1, half ? &ops.fc1_a_half : nullptr, t, rec, ring1, st, records);
+      load_tile<Fc1Cfg>(second ? ops.fc1_2 : ops.fc1, half ? &ops.fc1_a_half : nullptr, t, rec, ring1, st,
+                        records);
     else
-      load_tile<Fc2Cfg>(ops.fc2, half ? &ops.fc2_a_half : nullptr, t, rec, ring2, st, records);
+      load_tile<Fc2Cfg>(second ? ops.fc2_2 : ops.fc2, half ? &ops.fc2_a_half : nullptr, t, rec, ring2, st,
+                        records);
   }
 }
 
