@@ -217,3 +217,30 @@ def test_cuda_backend_row_gemm_orients_the_weight_for_either_path():
                   lambda *args, **kw: seen.append((args, kw)), a, w, offsets, n_by_k)
         (args, kw), = seen
         assert args[0] is a and args[1] is w and args[2] is offsets and kw == {"tile_rows": 128}
+
+
+@pytest.mark.parametrize("hopper,fused,segmented", [
+    (True, (True, True), True), (True, (True, False), False), (True, (False, False), False),
+    (False, (False, False), False)])
+def test_gpu_backends_read_weight_segments_in_place_only_where_the_gemms_can(hopper, fused, segmented):
+    """The GPU backends' weight arguments: the segments themselves (no copy) with MoK's fused
+    Hopper GEMMs, else one concatenated tensor, whose gradient autograd splits back."""
+    from types import SimpleNamespace
+
+    from megatron_mok.functional.cuda_backend import segmented_gemms_apply, weight_arguments
+
+    call = SimpleNamespace(hopper_gemms=hopper, fused_swiglu=fused)
+    assert segmented_gemms_apply(call) is segmented
+    f1 = (torch.randn(3, 8, 4, requires_grad=True), torch.randn(1, 8, 4, requires_grad=True))
+    f2 = (torch.randn(3, 4, 4, requires_grad=True), torch.randn(1, 4, 4, requires_grad=True))
+    fc1, fc2, fc1_2, fc2_2 = weight_arguments(f1, f2, call)
+    if segmented:
+        assert fc1 is f1[0] and fc2 is f2[0] and fc1_2 is f1[1] and fc2_2 is f2[1]
+    else:
+        assert fc1_2 is None and fc2_2 is None
+        assert torch.equal(fc1, torch.cat(f1)) and torch.equal(fc2, torch.cat(f2))
+        (fc1.sum() + 2 * fc2.sum()).backward()
+        assert all(torch.equal(t.grad, torch.ones_like(t)) for t in f1)
+        assert all(torch.equal(t.grad, 2 * torch.ones_like(t)) for t in f2)
+    single = weight_arguments((f1[0],), (f2[0],), call)
+    assert single[0] is f1[0] and single[1] is f2[0] and single[2:] == (None, None)
