@@ -157,12 +157,12 @@ def _fc1_swiglu_segments(call: _Call, x_disp, fc1s, offsets, counts, w_disp):
     return h, gu
 
 
-def _fc2_segments(call: _Call, hw, fc2s, offsets, counts):
-    """out bf16 [R, H], as ``mok_gemm.fc2`` over the concatenated segments."""
-    out = hw.new_empty((hw.shape[0], fc2s[0].shape[1]))
-    for w, offs, _ in _segments(fc2s, offsets, counts):
-        v = mok_gemm.check_fc2(hw, w, offs, call.segment_rows)
-        mok_gemm.launch_fc2(hw, w, offs, out, variant=v)
+def _plain_gemm_segments(call: _Call, a, weights, offsets, counts, cols: int, check, launch):
+    """out bf16 [R, cols] of a row GEMM without an epilogue of its own (``check`` / ``launch``:
+    ``mok_gemm``'s fc2 or fc1-data-gradient pair), one launch per segment into ``out``."""
+    out = a.new_empty((a.shape[0], cols))
+    for w, offs, _ in _segments(weights, offsets, counts):
+        launch(a, w, offs, out, variant=check(a, w, offs, call.segment_rows))
     return out
 
 
@@ -177,15 +177,6 @@ def _fc2_dgrad_swiglu_segments(call: _Call, d_out, fc2s, ab, offsets, counts, w_
         v = mok_gemm.check_fc2_dgrad_swiglu(d_out, w, ab, offs, cnts, w_disp, call.segment_rows)
         mok_gemm.launch_fc2_dgrad_swiglu(d_out, w, ab, offs, cnts, w_disp, d_ab, h, dw, scratch, variant=v)
     return d_ab, dw, h
-
-
-def _fc1_dgrad_segments(call: _Call, d_ab, fc1s, offsets, counts):
-    """dx rows bf16 [R, H], as ``mok_gemm.fc1_dgrad`` over the concatenated segments."""
-    dx = d_ab.new_empty((d_ab.shape[0], fc1s[0].shape[2]))
-    for w, offs, _ in _segments(fc1s, offsets, counts):
-        v = mok_gemm.check_fc1_dgrad(d_ab, w, offs, call.segment_rows)
-        mok_gemm.launch_fc1_dgrad(d_ab, w, offs, dx, variant=v)
-    return dx
 
 
 def _weight_grad_segments(a, b, weights, offsets, counts):
@@ -210,7 +201,8 @@ class _CudaMoE(torch.autograd.Function):
                                             K, capacity, H, True, call.comm_blocks)
         if fc1_2 is not None:  # weight segments (segmented_gemms_apply holds)
             hw, ab = _fc1_swiglu_segments(call, x_disp, (fc1, fc1_2), offsets, counts, w_disp)
-            out_rows = _fc2_segments(call, hw, (fc2, fc2_2), offsets, counts)
+            out_rows = _plain_gemm_segments(call, hw, (fc2, fc2_2), offsets, counts, fc2.shape[1],
+                                            mok_gemm.check_fc2, mok_gemm.launch_fc2)
         else:
             if call.fused_swiglu[0]:
                 hw, ab = mok_gemm.fc1_swiglu(x_disp, fc1, offsets, counts, w_disp, tile_rows=call.segment_rows,
@@ -247,7 +239,8 @@ class _CudaMoE(torch.autograd.Function):
             d_ab, dw_rows, hw = _fc2_dgrad_swiglu_segments(call, d_out, fc2s, ab, offsets, counts, w_disp)
             d_fc2, d_fc2_2 = _weight_grad_segments(d_out, hw, fc2s, offsets, counts)
             d_fc1, d_fc1_2 = _weight_grad_segments(d_ab, x_disp, fc1s, offsets, counts)
-            dx_rows = _fc1_dgrad_segments(call, d_ab, fc1s, offsets, counts)
+            dx_rows = _plain_gemm_segments(call, d_ab, fc1s, offsets, counts, fc1.shape[2],
+                                           mok_gemm.check_fc1_dgrad, mok_gemm.launch_fc1_dgrad)
         else:
             if call.fused_swiglu[1]:
                 d_ab, dw_rows, hw = mok_gemm.fc2_dgrad_swiglu(d_out, fc2, ab, offsets, counts, w_disp,
