@@ -19,9 +19,10 @@ GPU_TILE_ROWS = (64, 128)
 MAX_TILE_ROWS = 256
 # GEMM tile used by the heuristic: 128 rows x 256 output columns per compute SM and tile.
 HEURISTIC_TILE_COLS = 256
-# Comm SMs of the megakernel (half pull, half push): with TMA bulk copies 12 was the fastest of
-# 4-16 on two H200s at 6 experts per GPU, and within 3% of the best at 192 (docs/perf-notes.md).
-COMM_SMS_DEFAULT = 12
+# Comm SMs of the megakernel (split into pull and push CTAs by the bytes each side moves): with
+# that split 10 was level with 12 on two H200s at 6 experts per GPU and 0.22 ms (2.6%) faster at
+# 192, with the training copies; 8 was 0.5 ms slower at 6 (docs/perf-notes.md, eighth session).
+COMM_SMS_DEFAULT = 10
 H200_NUM_SMS = 132
 
 
@@ -39,8 +40,9 @@ class MoKConfig:
     """
 
     comm_sms_forward: Optional[int] = None
-    """SMs of the persistent forward kernel that only move data: half pull dispatch rows, half
-    push combine rows. At least 2 and fewer than the device's SM count."""
+    """SMs of the persistent forward kernel that only move data: some pull dispatch rows, the
+    others push combine rows (split by the bytes each side moves). At least 2 and fewer than
+    the device's SM count."""
 
     comm_sms_backward: Optional[int] = None
     """Same as ``comm_sms_forward``, for the backward kernels."""

@@ -39,7 +39,7 @@ from megatron_mok import MoKConfig  # noqa: E402
 from megatron_mok.bench.tune import Candidate  # noqa: E402
 from megatron_mok.functional import check_errors, megakernel_backend, mok_moe  # noqa: E402
 
-KINDS = {1: "fc1", 2: "fc2", 3: "pull", 4: "push"}
+KINDS = {1: "fc1", 2: "fc2", 3: "pull", 4: "push", 6: "part"}  # part: 16 rows of a first block's pull
 
 
 def decode(records: np.ndarray):
@@ -80,12 +80,12 @@ def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_row
     span = ctas["end"].max()
     kinds = items["kind"]
     out.append(f"span {span:.3f} ms | last fc1 {items['done'][kinds == 1].max():.3f} | last fc2 "
-               f"{items['done'][kinds == 2].max():.3f} | last pull {items['done'][kinds == 3].max():.3f} | "
+               f"{items['done'][kinds == 2].max():.3f} | last pull {items['done'][np.isin(kinds, (3, 6))].max():.3f} | "
                f"last push {items['done'][kinds == 4].max():.3f} | combine-done seen {ctas['combine'].min():.3f}"
                f"-{ctas['combine'].max():.3f} | slot sum ends {ctas['end'].max():.3f} | CTA starts "
                f"{ctas['start'].min():.3f}-{ctas['start'].max():.3f}")
     flop = {1: 2 * 128 * 256 * H, 2: 2 * 128 * 256 * I}
-    byts = {3: 2 * 128 * H * 2, 4: 2 * 128 * H * 2}  # read + write of a block's rows
+    byts = {3: 2 * 128 * H * 2, 4: 2 * 128 * H * 2, 6: 2 * 16 * H * 2}  # read + write of the item's rows
     for k, name in KINDS.items():
         sel = kinds == k
         if not sel.any():
@@ -133,12 +133,15 @@ def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_row
     n_mb = int(mb.max()) + 1
     rows = []
     for m in sorted(set(range(min(3, n_mb))) | set(range(max(0, n_mb - 2), n_mb))):
+        def of(k):  # pulls: whole blocks or parts of first blocks
+            return (mb == m) & (np.isin(kinds, (3, 6)) if k == 3 else kinds == k)
+
         def last(k):
-            sel = (mb == m) & (kinds == k)
+            sel = of(k)
             return items["done"][sel].max() if sel.any() else float("nan")
 
         def first(k):
-            sel = (mb == m) & (kinds == k)
+            sel = of(k)
             return items["start"][sel].min() if sel.any() else float("nan")
         rows.append(f"mb {m:3d}: pull {first(3):7.3f}-{last(3):7.3f} fc1 {first(1):7.3f}-{last(1):7.3f} "
                     f"fc2 {first(2):7.3f}-{last(2):7.3f} push {first(4):7.3f}-{last(4):7.3f}")
@@ -152,7 +155,7 @@ def chart(items, ctas, path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    colors = {1: "tab:blue", 2: "tab:green", 3: "tab:orange", 4: "tab:red"}
+    colors = {1: "tab:blue", 2: "tab:green", 3: "tab:orange", 4: "tab:red", 6: "tab:olive"}
     fig, ax = plt.subplots(figsize=(14, 8))
     for k, name in KINDS.items():
         sel = items["kind"] == k

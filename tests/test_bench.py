@@ -460,10 +460,10 @@ def test_tune_candidates_parse_and_name_bad_input():
         Candidate.parse("16:2048")
     with pytest.raises(ValueError, match="fields must be integers"):
         Candidate.parse("a:b:c")
-    cands = default_candidates(1920)
-    assert [c.comm_sms for c in cands] == [12, 16, 24, 16]
+    cands = default_candidates(2048)
+    assert [c.comm_sms for c in cands] == [8, 10, 12, 16, 10]
     assert all(c.ring_rows == 4 * c.minibatch_rows for c in cands)
-    assert cands[-1].minibatch_rows == 3840
+    assert cands[-1].minibatch_rows == 4096
 
 
 def test_tune_args_file_holds_the_winner_as_megatron_flags(tmp_path):

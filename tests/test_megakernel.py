@@ -90,9 +90,9 @@ def test_selection_auto_takes_the_megakernel_and_logs_one_line_when_it_cannot(mo
 
 def test_tunables_resolve_within_the_rules():
     cfg = mkb.resolve_tunables(MoKConfig(), KIMI, 2, 132)
-    assert cfg.comm_sms_forward == 12 and cfg.minibatch_rows % 128 == 0 and cfg.ring_rows == 4 * cfg.minibatch_rows
+    assert cfg.comm_sms_forward == 10 and cfg.minibatch_rows % 128 == 0 and cfg.ring_rows == 4 * cfg.minibatch_rows
     one = mkb.resolve_tunables(MoKConfig(), KIMI, 1, 132)
-    assert one.comm_sms_forward == 12  # the same rows move at P = 1 (local copies)
+    assert one.comm_sms_forward == 10  # the same rows move at P = 1 (local copies)
     # A virtual rank's share of the SMs (LocalEPGroup of 4 on 132 SMs).
     share = mkb.resolve_tunables(MoKConfig(), KIMI, 4, 33)
     assert share.comm_sms_forward == 8 and share.minibatch_rows >= 128
@@ -158,7 +158,7 @@ def test_args_struct_matches_the_header(use_lib):
     assert names == [f[0] for f in mk.MegakernelArgs._fields_]
     _, fns = mk._lib()
     assert fns["args_bytes"]() == ctypes.sizeof(mk.MegakernelArgs) == 8 * len(names)
-    assert mk.counter_words(8192) == 8 + 4 * 64
+    assert mk.counter_words(8192) == 9 + 4 * 64
 
 
 def _valid_args(**over):
@@ -186,8 +186,16 @@ def test_c_abi_rejects_bad_arguments_before_any_cuda_call(use_lib, over):
     assert fns["forward"](ctypes.byref(args), None) == MOK_ERR_INVALID_ARGUMENT
 
 
+def _first_blocks(n_blocks, mb, slots):
+    """Blocks the kernel pulls in parts when it starts: those of the first two minibatches (a
+    valid ring holds them)."""
+    return min(2 * mb, slots, n_blocks)
+
+
 def _queue(queue, n_blocks, mb, slots, n1, n2):
-    total = n_blocks * (n1 + n2) if queue == "compute" else n_blocks
+    nf = _first_blocks(n_blocks, mb, slots)
+    total = {"compute": n_blocks * (n1 + n2), "first_pull": nf * mk.FIRST_PULL_PARTS, "pull": n_blocks - nf,
+             "push": n_blocks}[queue]
     items = [mk.plan_item(queue, i, n_blocks, mb, slots, n1, n2) for i in range(total)]
     with pytest.raises(mk.MegakernelArgumentError):
         mk.plan_item(queue, total, n_blocks, mb, slots, n1, n2)
@@ -214,32 +222,53 @@ def test_plan_covers_every_item_once_in_the_documented_order(use_lib, n_blocks, 
     n = -(-n_blocks // mb)
     want_compute = [("fc1", 0)] + [s for m in range(1, n) for s in (("fc1", m), ("fc2", m - 1))] + [("fc2", n - 1)]
     assert _segments(compute, mb) == want_compute
-    # Pulls and pushes: every block once, in block order, each on its own queue.
-    for kind in ("pull", "push"):
-        items = _queue(kind, n_blocks, mb, slots, n1, n2)
-        assert [(k, b, c) for k, b, c, *_ in items] == [(kind, b, 0) for b in range(n_blocks)]
+    # Pulls and pushes: every block once, in block order, each on its own queue; the first two
+    # minibatches' blocks are pulled in parts, part by part, from a queue of their own.
+    nf = _first_blocks(n_blocks, mb, slots)
+    parts = _queue("first_pull", n_blocks, mb, slots, n1, n2)
+    assert [(k, b, c) for k, b, c, *_ in parts] == [
+        ("pull_part", b, j) for b in range(nf) for j in range(mk.FIRST_PULL_PARTS)]
+    assert all(target <= 0 for *_, target in parts)  # first generation: nothing to wait for
+    pulls = _queue("pull", n_blocks, mb, slots, n1, n2)
+    assert [(k, b, c) for k, b, c, *_ in pulls] == [("pull", b, 0) for b in range(nf, n_blocks)]
+    pushes = _queue("push", n_blocks, mb, slots, n1, n2)
+    assert [(k, b, c) for k, b, c, *_ in pushes] == [("push", b, 0) for b in range(n_blocks)]
+    # fc1 of a block waits for all of its x rows: every part of a first block (one arrival
+    # each), then one arrival per later generation of the slot.
+    for k, b, c, counter, slot, target in compute:
+        if k == "fc1":
+            first = mk.FIRST_PULL_PARTS if slot < nf else 1
+            assert (counter, slot, target) == ("x_ready", b % slots, first + b // slots), (b, slots, nf)
     # Within a minibatch: column block by column block over groups of up to 8 row blocks.
     fc1_mb0 = [(b, c) for k, b, c, *_ in compute if k == "fc1" and b < mb]
     groups = [list(range(g, min(g + 8, min(mb, n_blocks)))) for g in range(0, min(mb, n_blocks), 8)]
     assert fc1_mb0 == [(b, c) for grp in groups for c in range(n1) for b in grp]
 
 
-def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahead, seed, push_helpers=True):
+def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahead, seed, push_helpers=True,
+             pull_workers=None):
     """Replay the kernel's protocol: workers take queue items in order, wait for the counter
     targets the plan gives, and bump the counters the kernel bumps. Returns None when every
     item ran, else a description of the deadlock. Asserts the dependencies and the slot
-    ownership the targets are meant to enforce. comm_workers >= 2 split as the kernel splits
-    its comm CTAs: (comm_workers + 1) // 2 pull, the rest push. With push_helpers, a compute
+    ownership the targets are meant to enforce. Every worker first serves the first-pull queue
+    (parts of the first blocks), as every CTA of the kernel does: a comm worker until it is
+    empty, a compute worker until the first minibatch's parts are taken; then its role. comm_workers >= 2, of which pull_workers (default: the kernel's split without the
+    training copy) pull and the rest push. With push_helpers, a compute
     worker whose producer found the compute queue empty and whose consumers are done serves the
     push queue too, as the kernel's compute CTAs do."""
     rng = random.Random(seed)
-    queues = {q: _queue(q, n_blocks, mb, slots, n1, n2) for q in ("compute", "pull", "push")}
-    nxt = {"compute": 0, "pull": 0, "push": 0}
-    comm_queue = ["pull" if w < (comm_workers + 1) // 2 else "push" for w in range(comm_workers)]
+    queues = {q: _queue(q, n_blocks, mb, slots, n1, n2) for q in ("compute", "pull", "push", "first_pull")}
+    nxt = {"compute": 0, "pull": 0, "push": 0, "first_pull": 0}
+    nf = _first_blocks(n_blocks, mb, slots)
+    if pull_workers is None:
+        pull_workers = mk.pull_ctas(comm_workers, training_copy=False)
+    assert 1 <= pull_workers < comm_workers
+    comm_queue = ["pull" if w < pull_workers else "push" for w in range(comm_workers)]
     counters = {}
     done = set()
     owner = {}  # slot -> block in flight
-    bump = {"pull": ("x_ready", 1), "fc1": ("h_ready", 2), "fc2": ("out_ready", 2), "push": ("slot_free", 1)}
+    bump = {"pull": ("x_ready", 1), "pull_part": ("x_ready", 1), "fc1": ("h_ready", 2), "fc2": ("out_ready", 2),
+            "push": ("slot_free", 1)}
 
     def ready(item):
         _, _, _, counter, slot, target = item
@@ -252,9 +281,13 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
             assert b < slots or ("push", b - slots, 0) in done, f"pull {b} before push {b - slots}"
             assert s not in owner, f"pull {b} into slot {s} still holding block {owner.get(s)}"
             owner[s] = b
+        elif kind == "pull_part":
+            assert b < slots and owner.get(s, b) == b, f"part of {b} into slot {s} holding {owner.get(s)}"
+            owner[s] = b
         else:
             assert owner.get(s) == b, f"{kind} of block {b} while slot {s} holds {owner.get(s)}"
-            need = {"fc1": [("pull", b, 0)], "fc2": [("fc1", b, j) for j in range(n1)],
+            pulled = ([("pull_part", b, j) for j in range(mk.FIRST_PULL_PARTS)] if b < nf else [("pull", b, 0)])
+            need = {"fc1": pulled, "fc2": [("fc1", b, j) for j in range(n1)],
                     "push": [("fc2", b, j) for j in range(n2)]}[kind]
             assert all(d in done for d in need), f"{kind} {b},{c} started before its inputs"
 
@@ -270,16 +303,35 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
     producers = [None] * compute_workers                # item the TMA thread waits on
     issued = [[] for _ in range(compute_workers)]       # tiles whose loads are issued, in order
     helping = [None] * compute_workers                  # push item a finished compute worker waits on
+    workers = [("comm", w) for w in range(comm_workers)] + [("compute", w) for w in range(compute_workers)]
+    first = {wk: None for wk in workers}                # first-pull part a worker holds
+    in_first = {wk: True for wk in workers}             # still serving the first-pull queue
     total = sum(len(q) for q in queues.values())
     while len(done) < total:
         actions = []
+        for wk in workers:
+            if not in_first[wk]:
+                continue
+            # Compute workers take parts of the first minibatch's blocks only.
+            limit = min(nf, mb) * mk.FIRST_PULL_PARTS if wk[0] == "compute" else len(queues["first_pull"])
+            if first[wk] is not None:
+                if ready(first[wk]):
+                    actions.append(("run_first", wk))
+            elif nxt["first_pull"] < limit:
+                actions.append(("take_first", wk))
+            else:
+                actions.append(("leave_first", wk))
         for w in range(comm_workers):
+            if in_first[("comm", w)]:
+                continue
             q = comm_queue[w]
             if comm[w] is None and nxt[q] < len(queues[q]):
                 actions.append(("take_comm", w))
             elif comm[w] is not None and ready(comm[w]):
                 actions.append(("run_comm", w))
         for w in range(compute_workers):
+            if in_first[("compute", w)]:
+                continue
             if producers[w] is None and nxt["compute"] < len(queues["compute"]) and len(issued[w]) < lookahead:
                 actions.append(("take_compute", w))
             elif producers[w] is not None and ready(producers[w]):
@@ -296,7 +348,16 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
             return (f"deadlock with {len(done)} of {total} items done: comm holds {comm}, producers hold "
                     f"{producers}, counters {counters}")
         act, w = rng.choice(actions)
-        if act == "take_comm":
+        if act == "take_first":
+            first[w] = queues["first_pull"][nxt["first_pull"]]
+            nxt["first_pull"] += 1
+        elif act == "run_first":
+            start(first[w])
+            finish(first[w])
+            first[w] = None
+        elif act == "leave_first":
+            in_first[w] = False
+        elif act == "take_comm":
             q = comm_queue[w]
             comm[w] = queues[q][nxt[q]]
             nxt[q] += 1
@@ -329,11 +390,28 @@ def test_protocol_never_deadlocks_and_respects_dependencies(use_lib, seed):
     mb = rng.randint(1, 4)
     ring_minibatches = rng.randint(2, 4)
     n_blocks = rng.randint(1, 40)
+    comm = rng.randint(2, 6)
     args = dict(n_blocks=n_blocks, mb=mb, slots=mb * ring_minibatches, n1=rng.randint(1, 4), n2=rng.randint(1, 3),
-                comm_workers=rng.randint(2, 5), compute_workers=rng.randint(1, 5), lookahead=rng.randint(1, 3))
+                comm_workers=comm, compute_workers=rng.randint(1, 5), lookahead=rng.randint(1, 3),
+                pull_workers=rng.randint(1, comm - 1))
     for replay in range(3):
         for helpers in (True, False):
             assert simulate(**args, seed=seed * 10 + replay, push_helpers=helpers) is None, (args, helpers)
+
+
+def test_comm_ctas_split_by_the_bytes_each_side_moves(use_lib):
+    # Without the training copy a pull and a push move the same bytes: halves, odd counts
+    # giving the extra CTA to the pulls. With it a pull moves 3 row-sizes to a push's 2.
+    assert [mk.pull_ctas(c, training_copy=False) for c in (2, 3, 8, 12, 13)] == [1, 2, 4, 6, 7]
+    assert [mk.pull_ctas(c, training_copy=True) for c in (2, 3, 8, 10, 12, 16)] == [1, 2, 5, 6, 7, 10]
+    for c in range(2, 40):
+        for copy in (False, True):
+            n = mk.pull_ctas(c, training_copy=copy)
+            assert 1 <= n <= c - 1
+            share = 3 / 5 if copy else 1 / 2
+            assert abs(n - c * share) <= 0.5 or n in (1, c - 1), (c, copy, n)
+    with pytest.raises(mk.MegakernelArgumentError, match="at least 2 comm CTAs"):
+        mk.pull_ctas(1, training_copy=True)
 
 
 def test_one_hot_expert_through_a_two_slot_ring(use_lib):
@@ -357,7 +435,7 @@ def _op_args(R=512, L=4, H=1024, I=512, T=6, K=2, P=2, words=None):
         slots_offset=0, table=z(100, 2, dtype=torch.int32), offsets=z(L + 1, dtype=torch.int32),
         counts=z(L, dtype=torch.int32), topk_ids=z(T, K, dtype=torch.int64), fc1_weight=z(L, 2 * I, H),
         fc2_weight=z(L, H, I), ring_x=z(R, H), ring_h=z(R, I), ring_w=z(R, dtype=torch.float32),
-        counters=z(words if words is not None else 8 + 4 * (R // 128), dtype=torch.int32),
+        counters=z(words if words is not None else 9 + 4 * (R // 128), dtype=torch.int32),
         epoch_counter=z(1, dtype=torch.int64), status=z(8, dtype=torch.int32), rank=0, minibatch_rows=256,
         comm_ctas=2, num_ctas=0, timeout_ns=10 ** 9, trace=None, save_x=None, save_w=None, save_gu=None,
         fc1_weight2=None, fc2_weight2=None)
@@ -377,7 +455,7 @@ def test_fake_impl_gives_the_output_shape():
     (dict(ring_x=torch.zeros(640, 1024, dtype=torch.bfloat16), ring_h=torch.zeros(640, 512, dtype=torch.bfloat16),
           ring_w=torch.zeros(640)), r"ring_rows = 640 must be a multiple of minibatch_rows = 256"),
     (dict(minibatch_rows=100), r"minibatch_rows = 100 must be a positive multiple of 128"),
-    (dict(counters=torch.zeros(7, dtype=torch.int32)), r"counters must have 24 elements"),
+    (dict(counters=torch.zeros(7, dtype=torch.int32)), r"counters must have 25 elements"),
     (dict(comm_ctas=1), r"comm_ctas = 1 must be at least 2"),
     (dict(num_ctas=2), r"num_ctas = 2 must be 0 \(every SM\) or above comm_ctas = 2"),
     (dict(rank=2), r"rank = 2 is outside \[0, P = 2\)"),

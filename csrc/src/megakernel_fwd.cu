@@ -55,6 +55,8 @@ struct KernelParams {
   Trace trace;
   int P, rank, L, T, E;
   int comm_ctas;
+  int pull_ctas;     // comm CTAs that pull; the other comm CTAs push
+  int first_minibatches;  // minibatches whose blocks every CTA pulls in parts at the start
   int mb_blocks, slots, n1, n2;
   int bulk_copies;   // 1: comm CTAs move rows with TMA bulk copies; 0: through registers
   int push_helpers;  // 1: compute CTAs serve the push queue after their tiles
@@ -89,16 +91,40 @@ __device__ __forceinline__ void raise_combine_done(const KernelParams& p, uint64
   for (int q = 0; q < p.P; ++q) st_release_sys_u64(reinterpret_cast<uint64_t*>(p.signal_bases[q]) + p.rank, epoch);
 }
 
-// All threads of a CTA serving the pull or the push queue: the comm CTAs, and after their tiles
-// the compute CTAs (push queue only). Thread 0 takes the next item and waits for its input; the
-// 12 warps copy the block's rows; thread 0 releases the block's counter. The CTA's stage area
-// holds the warps' copy chunks (a compute CTA's last tile has been consumed by then).
+// The next position of a queue if it is below `limit` (it is then taken), else `limit`. Others
+// may take positions with atomicAdd meanwhile: compare-and-swap only takes a position it saw.
+__device__ __forceinline__ int take_below(int32_t* next, int limit) {
+  int cur = ld_volatile(next);
+  while (cur < limit) {
+    const int seen = atomicCAS(next, cur, cur + 1);
+    if (seen == cur) return cur;
+    cur = seen;
+  }
+  return limit;
+}
+
+// Trace record of a comm item (trace.cuh): pulls and pushes by block, first-pull parts after
+// the CTAs' records.
+__device__ __forceinline__ int64_t comm_record(const Plan& plan, const Item& it, int index) {
+  const int64_t base = compute_items(plan);
+  if (it.kind == kPull) return base + it.block;
+  if (it.kind == kPush) return base + plan.n_blocks + it.block;
+  return base + comm_items(plan) + gridDim.x + index;
+}
+
+// All threads of a CTA serving a comm queue: every CTA the first-pull queue when it starts; the
+// comm CTAs then the pull or the push queue, and after their tiles the compute CTAs the push
+// queue. Thread 0 takes the next item and waits for its input; the 12 warps copy the item's
+// rows; thread 0 releases the block's counter. The CTA's stage area holds the warps' copy
+// chunks (a compute CTA has no tile in flight before its first or after its last). A CTA takes
+// no item at or past `limit` (the queue's end by default).
 __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Plan& plan, CtaShared& sh,
-                                                 uint8_t* stage_area, int queue) {
+                                                 uint8_t* stage_area, int queue, int limit = INT32_MAX) {
   const Deadline d = deadline_of(p);
-  const int total = queue_items(plan, queue);
-  const int64_t trace_base = compute_items(plan) + (queue == kPushQueue ? plan.n_blocks : 0);
-  int32_t* next = &p.counters[queue == kPullQueue ? kPullNext : kPushNext];
+  const int items = queue_items(plan, queue);
+  const bool bounded = limit < items;
+  const int total = bounded ? limit : items;
+  int32_t* next = &p.counters[queue == kPullQueue ? kPullNext : queue == kPushQueue ? kPushNext : kFirstPullNext];
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32, lane = threadIdx.x % 32;
   int64_t record = -1;
   CopyPipe pipe{stage_area + warp * kCopyWarpBytes, &sh.copy_bars[warp * kCopyStages], 0};
@@ -112,13 +138,13 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
     if (threadIdx.x == 0) {
       Item it;
       it.kind = kEnd;
-      const int i = atomicAdd(next, 1);
+      const int i = bounded ? take_below(next, total) : atomicAdd(next, 1);
       if (i < total) {
-        record = trace_base + i;
-        p.trace.stamp(record, kTrTake);
         it = queue_item(plan, queue, i);
+        record = comm_record(plan, it, i);
+        p.trace.stamp(record, kTrTake);
         const Wait w = wait_of(plan, it);
-        const int site = it.kind == kPull ? MOK_SITE_MK_PULL_WAITS_SLOT : MOK_SITE_MK_PUSH_WAITS_FC2;
+        const int site = it.kind == kPush ? MOK_SITE_MK_PUSH_WAITS_FC2 : MOK_SITE_MK_PULL_WAITS_SLOT;
         if (!wait_counter(p.counters + counter_index(w.counter, w.slot, plan.slots), w.target, d, site))
           it.kind = kEnd;
         if (p.trace.on()) {
@@ -133,8 +159,10 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
     const Item it = sh.comm_item;
     if (it.kind == kEnd) break;
     const int slot = it.block % plan.slots;
-    if (it.kind == kPull) {
-      pull_block(p.rows, it.block, slot, warp, warps, lane, bulk);
+    if (it.kind == kPull || it.kind == kPullPart) {
+      constexpr int kPartRows = kBlockRows / kFirstPullParts;
+      const RowRange range = it.kind == kPull ? kWholeBlock : RowRange{it.col * kPartRows, kPartRows};
+      pull_rows(p.rows, it.block, range, slot, warp, warps, lane, bulk);
       fence_proxy_async_global();  // fc1 reads these rows with TMA
     } else {
       push_block(p.rows, it.block, slot, warp, warps, lane, bulk);
@@ -166,6 +194,16 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
   }
 }
 
+// The first-pull queue, served by every CTA when it starts: a compute CTA takes parts of the
+// first minibatch's blocks only (its tiles need nothing else first), a comm CTA every part left.
+// Not inlined: a third inlined copy of the row-copy code made ptxas spill in the GEMM epilogue
+// (168 registers, the launch bound).
+__device__ __noinline__ void serve_first_pulls(const KernelParams& p, const Plan& plan, CtaShared& sh,
+                                               uint8_t* stage_area, bool compute_cta) {
+  serve_comm_queue(p, plan, sh, stage_area, kFirstPullQueue,
+                   compute_cta ? first_pull_items_for_compute(plan) : INT32_MAX);
+}
+
 __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_constant__ KernelParams p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const g::SmemRing<Fc1Cfg> ring1(smem_raw);
@@ -180,7 +218,7 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
   for (int i = threadIdx.x; i <= p.L; i += blockDim.x) ring1.table0[i] = p.offsets[i];
   for (int i = threadIdx.x; i < p.L; i += blockDim.x) ring1.table1[i] = p.counts[i];
   __syncthreads();
-  const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2};
+  const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2, p.first_minibatches};
   const int wg = threadIdx.x / 128;
   const int64_t cta_record =
       p.trace.on() ? (int64_t)compute_items(plan) + comm_items(plan) + (int64_t)blockIdx.x : (int64_t)-1;
@@ -189,8 +227,11 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     p.trace.put(cta_record, kTrMeta, kTraceCtaKind | ((sh.ticket < p.comm_ctas ? 1 : 0) << 8));
     p.trace.put(cta_record, kTrCta, blockIdx.x);
   }
+  // Every CTA pulls the first blocks, in parts, before it takes its role: nothing can be
+  // computed before they land, and the pull CTAs then start on the blocks after them.
+  serve_first_pulls(p, plan, sh, ring1.a(0), sh.ticket >= p.comm_ctas);
   if (sh.ticket < p.comm_ctas) {
-    serve_comm_queue(p, plan, sh, ring1.a(0), sh.ticket < pull_ctas(p.comm_ctas) ? kPullQueue : kPushQueue);
+    serve_comm_queue(p, plan, sh, ring1.a(0), sh.ticket < p.pull_ctas ? kPullQueue : kPushQueue);
     if (threadIdx.x == 0) p.trace.stamp(cta_record, kTrReady);
     // No rows routed to this rank: no push will count the last delivery.
     if (plan.n_blocks == 0 && sh.ticket == 0 && threadIdx.x == 0 && !timeout_recorded(p.status))
@@ -246,6 +287,27 @@ bool env_flag(const char* name, bool fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == 0) return fallback;
   return std::strcmp(v, "0") != 0;
+}
+
+// MOK_MEGAKERNEL_PULL_CTAS: how the comm CTAs split into pull and push CTAs, for comparison:
+// unset or "bytes" splits by the bytes each side moves (plan.cuh), "even" in halves (the split
+// before the seventh session), a number takes that many pull CTAs (clamped to leave a push CTA).
+int pull_ctas_for(int comm_ctas, bool training_copy) {
+  const char* v = std::getenv("MOK_MEGAKERNEL_PULL_CTAS");
+  if (v == nullptr || *v == 0 || std::strcmp(v, "bytes") == 0) return pull_ctas(comm_ctas, training_copy);
+  if (std::strcmp(v, "even") == 0) return pull_ctas(comm_ctas, false);
+  const long n = std::strtol(v, nullptr, 10);
+  return n < 1 ? 1 : (n > comm_ctas - 1 ? comm_ctas - 1 : (int)n);
+}
+
+// MOK_MEGAKERNEL_FIRST_PULL: minibatches whose blocks every CTA pulls in parts when the launch
+// starts, for comparison: unset kFirstPullMinibatches, 0 none (every pull by the pull CTAs,
+// whole blocks, as before the eighth session); at most 8 (a valid ring bounds it further).
+int first_minibatches_for() {
+  const char* v = std::getenv("MOK_MEGAKERNEL_FIRST_PULL");
+  if (v == nullptr || *v == 0) return kFirstPullMinibatches;
+  const long n = std::strtol(v, nullptr, 10);
+  return n < 0 ? 0 : (n > 8 ? 8 : (int)n);
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
@@ -316,7 +378,7 @@ MOK_API int64_t mok_megakernel_counter_words(int ring_slots) {
 MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_blocks, int slots,
                                      int n1, int n2, int32_t* out) {
   MOK_REQUIRE(out && n_blocks >= 0 && mb_blocks >= 1 && slots >= 1 && n1 >= 1 && n2 >= 1);
-  MOK_REQUIRE(queue == kComputeQueue || queue == kPullQueue || queue == kPushQueue);
+  MOK_REQUIRE(queue == kComputeQueue || queue == kPullQueue || queue == kPushQueue || queue == kFirstPullQueue);
   const Plan plan{n_blocks, mb_blocks, slots, n1, n2};
   MOK_REQUIRE(index >= 0 && index < queue_items(plan, queue));
   const Item it = queue_item(plan, queue, index);
@@ -328,6 +390,10 @@ MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_
   out[4] = w.slot;
   out[5] = w.target;
   return MOK_OK;
+}
+
+MOK_API int mok_megakernel_pull_ctas(int comm_ctas, int training_copy) {
+  return comm_ctas >= 2 ? pull_ctas(comm_ctas, training_copy != 0) : -1;
 }
 
 MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t stream) {
@@ -386,6 +452,8 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.T = (int)a.T;
   p.E = (int)(a.P * a.L);
   p.comm_ctas = (int)a.comm_ctas;
+  p.pull_ctas = pull_ctas_for(p.comm_ctas, a.save_x != nullptr);
+  p.first_minibatches = first_minibatches_for();
   p.mb_blocks = (int)(a.minibatch_rows / kBlockRows);
   p.slots = slots;
   p.n1 = (int)(a.I / kFc1Cols);

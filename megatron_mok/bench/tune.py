@@ -12,8 +12,8 @@ time in its comments::
     python -m megatron_mok.pretrain_gpt @my-model.args @tuned.args ...
 
 Candidates: ``--candidates C:M:R ...`` (empty fields take the defaults of
-:meth:`megatron_mok.MoKConfig.resolve`), else :func:`default_candidates`: 12, 16 and 24 comm
-SMs with the default minibatch, and 16 with twice the default minibatch (rings of four
+:meth:`megatron_mok.MoKConfig.resolve`), else :func:`default_candidates`: 8, 10, 12 and 16
+comm SMs with the default minibatch, and 10 with twice the default minibatch (rings of four
 minibatches).
 """
 
@@ -64,9 +64,9 @@ class Candidate:
 
 
 def default_candidates(default_minibatch: int) -> List[Candidate]:
-    """12, 16 and 24 comm SMs at the default minibatch; 16 at twice it (rings of four)."""
-    out = [Candidate(c, default_minibatch, 4 * default_minibatch) for c in (12, 16, 24)]
-    out.append(Candidate(16, 2 * default_minibatch, 8 * default_minibatch))
+    """8, 10, 12 and 16 comm SMs at the default minibatch; 10 at twice it (rings of four)."""
+    out = [Candidate(c, default_minibatch, 4 * default_minibatch) for c in (8, 10, 12, 16)]
+    out.append(Candidate(10, 2 * default_minibatch, 8 * default_minibatch))
     return out
 
 

@@ -31,7 +31,10 @@ FC2_COLS = 256
 MAX_EXPERTS = 1024
 """Local experts per launch (per-CTA tables in shared memory)."""
 
-ITEM_KINDS = {1: "fc1", 2: "fc2", 3: "pull", 4: "push"}
+ITEM_KINDS = {1: "fc1", 2: "fc2", 3: "pull", 4: "push", 6: "pull_part"}
+FIRST_PULL_PARTS = 8
+"""Parts (of 16 rows) of a first block's pull: the first two minibatches' blocks are pulled in
+parts by every CTA when the launch starts (mok/megakernel/plan.cuh)."""
 COUNTERS = {0: "x_ready", 1: "h_ready", 2: "out_ready", 3: "slot_free"}
 TRACE_FIELDS = ("take", "ready", "start", "done", "meta", "cta")
 """Columns of a trace record (mok/megakernel/trace.cuh): %globaltimer ns when the item was
@@ -43,9 +46,9 @@ MAX_CTAS = 1024
 
 def trace_records(table_rows: int, hidden: int, ffn_hidden: int) -> int:
     """Trace records that hold every item of a launch whose schedule table has ``table_rows``
-    rows (the row capacity), plus one per CTA."""
+    rows (the row capacity), plus one per CTA and one per first-pull part."""
     blocks = table_rows // BLOCK_ROWS
-    return blocks * (ffn_hidden // FC1_COLS + hidden // FC2_COLS + 2) + MAX_CTAS
+    return blocks * (ffn_hidden // FC1_COLS + hidden // FC2_COLS + 2 + FIRST_PULL_PARTS) + MAX_CTAS
 
 _i, _i64, _v = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
@@ -79,6 +82,7 @@ def _lib():
         "args_bytes": lib.function("mok_megakernel_args_bytes", _i64, []),
         "counter_words": lib.function("mok_megakernel_counter_words", _i64, [_i]),
         "plan_item": lib.function("mok_megakernel_plan_item", _i, [_i, _i, _i, _i, _i, _i, _i, _v]),
+        "pull_ctas": lib.function("mok_megakernel_pull_ctas", _i, [_i, _i]),
         "forward": lib.function("mok_megakernel_forward", _i, [ctypes.POINTER(MegakernelArgs), _v]),
     }
 
@@ -89,13 +93,14 @@ def counter_words(ring_rows: int) -> int:
     return int(fns["counter_words"](ring_rows // BLOCK_ROWS))
 
 
-QUEUES = {"compute": 0, "pull": 1, "push": 2}
+QUEUES = {"compute": 0, "pull": 1, "push": 2, "first_pull": 3}
 
 
 def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int, n1: int, n2: int) -> Tuple[str, int, int, str, int, int]:
-    """Item ``index`` of the ``queue`` ("compute", "pull" or "push") of the kernel's work plan.
+    """Item ``index`` of the ``queue`` ("compute", "pull", "push" or "first_pull") of the
+    kernel's work plan.
 
-    Returns (kind, row block, column block, counter waited on, its slot, target value; a
+    Returns (kind, row block, column block (the part, for "pull_part"), counter waited on, its slot, target value; a
     target <= 0 means no wait). Raises :class:`MegakernelArgumentError` for an index past the
     queue's end or bad sizes.
     """
@@ -108,6 +113,17 @@ def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int,
                                       f"{lib._dll.mok_error_string(code).decode()}")
     kind, block, col, counter, slot, target = list(out)
     return ITEM_KINDS[kind], block, col, COUNTERS[counter], slot, target
+
+
+def pull_ctas(comm_ctas: int, training_copy: bool) -> int:
+    """How many of ``comm_ctas`` (>= 2) comm CTAs the kernel makes pull CTAs (the rest push),
+    with or without the training copy: in proportion to the bytes each side moves per row
+    (a pull reads a row and writes it once, twice with the copy; a push reads and writes it
+    once), at least one of each."""
+    if comm_ctas < 2:
+        raise MegakernelArgumentError(f"comm_ctas={comm_ctas}: the kernel needs at least 2 comm CTAs")
+    _, fns = _lib()
+    return int(fns["pull_ctas"](comm_ctas, 1 if training_copy else 0))
 
 
 # ---- argument checks -------------------------------------------------------------------------

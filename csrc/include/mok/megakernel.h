@@ -66,14 +66,21 @@ MOK_API int64_t mok_megakernel_args_bytes(void);
 // int32 words of the counter buffer for a ring of `ring_slots` = ring_rows / 128 slots.
 MOK_API int64_t mok_megakernel_counter_words(int ring_slots);
 
-// The work plan, for tests: item `index` of queue `queue` (0 compute, 1 pull, 2 push) for a layout of
-// n_blocks row blocks, mb_blocks blocks per minibatch, `slots` ring slots, n1 = I / 128 fc1
-// and n2 = H / 256 fc2 column blocks. Writes out[0..5] = kind (1 fc1, 2 fc2, 3 pull,
-// 4 push), row block, column block, the counter it waits on (0 x_ready, 1 h_ready,
+// The work plan, for tests: item `index` of queue `queue` (0 compute, 1 pull, 2 push, 3 first
+// pull) for a layout of n_blocks row blocks, mb_blocks blocks per minibatch, `slots` ring slots,
+// n1 = I / 128 fc1 and n2 = H / 256 fc2 column blocks. Writes out[0..5] = kind (1 fc1, 2 fc2,
+// 3 pull, 4 push, 6 part of a first block's pull: column block = the part), row block, column
+// block, the counter it waits on (0 x_ready, 1 h_ready,
 // 2 out_ready, 3 slot_free), that counter's slot, and the value to wait for (<= 0: none).
 // Returns MOK_OK, or MOK_ERR_INVALID_ARGUMENT for sizes or an index out of range.
 MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_blocks, int slots,
                                      int n1, int n2, int32_t* out);
+
+// How many of `comm_ctas` comm CTAs pull (the rest push), with or without the training copy
+// (a pull then writes every row twice): in proportion to the bytes each side moves, at least
+// one of each. The kernel's split when MOK_MEGAKERNEL_PULL_CTAS is unset. Returns -1 for
+// comm_ctas < 2.
+MOK_API int mok_megakernel_pull_ctas(int comm_ctas, int training_copy);
 
 // Runs the forward megakernel on `stream`: a small kernel resets the counters and takes the
 // next epoch from *epoch_counter, then the persistent kernel computes, for this rank's T

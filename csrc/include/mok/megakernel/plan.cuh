@@ -8,9 +8,15 @@
 // padded to 128 rows) is cut into row blocks of kBlockRows rows, each of one expert. Block b
 // lives in ring slot b % slots while it is in flight; it is the (b / slots + 1)-th
 // generation of that slot. A minibatch is mb_blocks consecutive blocks (the last one may be
-// shorter). Three queues, each handed out in order by an atomic counter:
+// shorter). Four queues, each handed out in order by an atomic counter:
+//   first pull: the blocks of the first two minibatches (the "first blocks") in parts of
+//            kBlockRows / kFirstPullParts rows, part(0, 0), part(0, 1), ..., served by every
+//            CTA when the launch starts (nothing can be computed before they land, and one
+//            CTA takes ~0.1 ms to pull a whole block); compute CTAs take only the first
+//            minibatch's parts, then start on its tiles
 //   compute: fc1(mb 0), then for m = 1 .. n_mb-1: fc1(mb m), fc2(mb m-1); then fc2(last)
-//   pull:    pull(0), pull(1), ... (block order), served by the pull CTAs
+//   pull:    pull(nf), pull(nf + 1), ... (block order after the nf first blocks), served by
+//            the pull CTAs
 //   push:    push(0), push(1), ... (block order), served by the push CTAs, and by every
 //            compute CTA once the compute queue is empty (the last minibatches' pushes are
 //            otherwise the launch's tail)
@@ -36,9 +42,12 @@ constexpr int kFc1Cols = 128;         // h columns of an fc1 tile (256 gate+up r
 constexpr int kFc2Cols = 256;         // output columns of an fc2 tile
 constexpr int kGroupBlocks = 8;       // row blocks per column sweep inside a minibatch
 constexpr int kTileArrivals = 2;      // consumer warpgroups per GEMM tile; each bumps once
+constexpr int kFirstPullParts = 8;    // parts of a first block's pull (16 rows each)
+constexpr int kFirstPullMinibatches = 2;  // minibatches whose blocks are pulled in parts
 
-enum ItemKind : int32_t { kEnd = 0, kFc1 = 1, kFc2 = 2, kPull = 3, kPush = 4 };
-enum Queue : int32_t { kComputeQueue = 0, kPullQueue = 1, kPushQueue = 2 };
+// (5 is the trace's CTA record kind.)
+enum ItemKind : int32_t { kEnd = 0, kFc1 = 1, kFc2 = 2, kPull = 3, kPush = 4, kPullPart = 6 };
+enum Queue : int32_t { kComputeQueue = 0, kPullQueue = 1, kPushQueue = 2, kFirstPullQueue = 3 };
 // Per-slot counters, each an int32[slots] array; they only grow within a launch.
 enum SlotCounter : int32_t { kXReady = 0, kHReady = 1, kOutReady = 2, kSlotFree = 3, kNumSlotCounters = 4 };
 
@@ -51,7 +60,8 @@ enum HeaderWord : int32_t {
   kSumNext = 5,       // slot-sum queue position (tokens)
   kRoleTicket = 6,    // CTAs started: the first comm_ctas become comm CTAs
   kPushNext = 7,      // push queue position
-  kHeaderWords = 8,
+  kFirstPullNext = 8, // first-pull queue position
+  kHeaderWords = 9,
 };
 
 MOK_HD int64_t counter_words(int slots) { return kHeaderWords + (int64_t)kNumSlotCounters * slots; }
@@ -63,6 +73,7 @@ struct Plan {
   int slots;      // ring slots (ring_rows / kBlockRows), a multiple of mb_blocks, >= 2 minibatches
   int n1;         // fc1 column blocks: I / kFc1Cols
   int n2;         // fc2 column blocks: H / kFc2Cols
+  int first_minibatches = kFirstPullMinibatches;  // whose blocks are pulled in parts (0: none)
 };
 
 struct Item {
@@ -81,13 +92,36 @@ struct Wait {
 
 MOK_HD int num_minibatches(const Plan& p) { return (p.n_blocks + p.mb_blocks - 1) / p.mb_blocks; }
 MOK_HD int compute_items(const Plan& p) { return p.n_blocks * (p.n1 + p.n2); }
-MOK_HD int comm_items(const Plan& p) { return 2 * p.n_blocks; }  // pulls and pushes
+// Record slots of the trace for comm items: one per block for pulls and for pushes (the first
+// blocks' pull records stay empty; their parts have records after the CTAs', trace.cuh).
+MOK_HD int comm_items(const Plan& p) { return 2 * p.n_blocks; }
+// Blocks pulled in parts when the launch starts. The ring holds at least two minibatches, so
+// they are all first generation: their slots were never used.
+MOK_HD int first_blocks(const Plan& p) {
+  int n = p.first_minibatches * p.mb_blocks;
+  n = n < p.slots ? n : p.slots;  // (no-op for a valid ring)
+  return n < p.n_blocks ? n : p.n_blocks;
+}
 MOK_HD int queue_items(const Plan& p, int queue) {
-  return queue == kComputeQueue ? compute_items(p) : p.n_blocks;
+  switch (queue) {
+    case kComputeQueue: return compute_items(p);
+    case kPullQueue: return p.n_blocks - first_blocks(p);
+    case kFirstPullQueue: return first_blocks(p) * kFirstPullParts;
+    default: return p.n_blocks;
+  }
 }
 
-// CTAs of the comm_ctas that pull (the rest push); both roles need at least one CTA.
-MOK_HD int pull_ctas(int comm_ctas) { return (comm_ctas + 1) / 2; }
+// CTAs of the comm_ctas that pull (the rest push), in proportion to the bytes each side moves
+// per row: a pull reads the row and writes it into the ring, and once more into the training
+// copy when the launch saves activations for the backward; a push reads it and writes it once.
+// Rounded to the nearest count (halves up); both roles need at least one CTA.
+MOK_HD int pull_ctas(int comm_ctas, bool training_copy) {
+  const int pull_bytes = training_copy ? 3 : 2, push_bytes = 2;
+  const int total = pull_bytes + push_bytes;
+  int n = (comm_ctas * pull_bytes * 2 + total) / (2 * total);
+  if (n > comm_ctas - 1) n = comm_ctas - 1;
+  return n < 1 ? 1 : n;
+}
 
 // Item `idx` of the tiles of minibatch m with `cols` column blocks (cols == 1: the blocks in
 // order).
@@ -144,8 +178,29 @@ MOK_HD Item comm_item(int kind, int i) {
 }
 
 MOK_HD Item queue_item(const Plan& p, int queue, int i) {
-  return queue == kComputeQueue ? compute_item(p, i) : comm_item(queue == kPullQueue ? kPull : kPush, i);
+  switch (queue) {
+    case kComputeQueue: return compute_item(p, i);
+    case kPullQueue: return comm_item(kPull, first_blocks(p) + i);
+    case kFirstPullQueue: {
+      Item it;
+      it.kind = kPullPart;
+      it.block = i / kFirstPullParts;
+      it.col = i % kFirstPullParts;  // the part: rows [col * rows, (col + 1) * rows) of the block
+      return it;
+    }
+    default: return comm_item(kPush, i);
+  }
 }
+
+// First-pull positions a compute CTA takes: the parts of the first minibatch's blocks. The comm
+// CTAs pull the rest of the first blocks while the compute CTAs start on the first minibatch.
+MOK_HD int first_pull_items_for_compute(const Plan& p) {
+  const int n = first_blocks(p) < p.mb_blocks ? first_blocks(p) : p.mb_blocks;
+  return n * kFirstPullParts;
+}
+
+// x_ready arrivals of the first generation of a slot: one per part for a first block's slot.
+MOK_HD int first_pull_arrivals(const Plan& p, int slot) { return slot < first_blocks(p) ? kFirstPullParts : 1; }
 
 // Generation of block b in its slot: 1 for the first S blocks, 2 for the next S, ...
 MOK_HD int generation(const Plan& p, int block) { return block / p.slots + 1; }
@@ -155,15 +210,17 @@ MOK_HD Wait wait_of(const Plan& p, const Item& it) {
   Wait w;
   w.slot = it.block % p.slots;
   switch (it.kind) {
-    case kFc1:  // the block's x rows and router weights are in the ring
+    case kFc1:  // the block's x rows and router weights are in the ring (its slot's first
+                // generation arrives in parts when it was a first block)
       w.counter = kXReady;
-      w.target = g;
+      w.target = first_pull_arrivals(p, w.slot) + (g - 1);
       break;
     case kFc2:  // every fc1 tile of the block stored its h columns
       w.counter = kHReady;
       w.target = g * kTileArrivals * p.n1;
       break;
-    case kPull:  // the slot's previous block was pushed (its rows are no longer needed)
+    case kPull:      // the slot's previous block was pushed (its rows are no longer needed)
+    case kPullPart:  // (a first block: nothing to wait for, g == 1)
       w.counter = kSlotFree;
       w.target = g - 1;
       break;
@@ -182,7 +239,8 @@ MOK_HD Wait wait_of(const Plan& p, const Item& it) {
 // The counter an item bumps when done, and by how much (GEMM tiles: once per consumer
 // warpgroup, kTileArrivals in all).
 MOK_HD int signal_counter(int32_t kind) {
-  return kind == kPull ? kXReady : kind == kFc1 ? kHReady : kind == kFc2 ? kOutReady : kSlotFree;
+  return (kind == kPull || kind == kPullPart) ? kXReady : kind == kFc1 ? kHReady : kind == kFc2 ? kOutReady
+                                                                                                 : kSlotFree;
 }
 MOK_HD int signal_amount(int32_t kind) { return (kind == kFc1 || kind == kFc2) ? kTileArrivals : 1; }
 

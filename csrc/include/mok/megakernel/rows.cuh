@@ -1,5 +1,6 @@
-// Row copies of the megakernel's comm CTAs: a pull copies the 128 rows of a row block (and
-// their router weights) from their source ranks into a ring slot, a push copies a block's
+// Row copies of the megakernel's comm CTAs: a pull copies the 128 rows of a row block, or 16 of
+// them (a part of a first block, plan.cuh), and their router weights from their source ranks
+// into a ring slot, a push copies a block's
 // output rows from the ring into their home ranks' (token, slot) rows.
 //
 // Two ways to move a row, chosen per launch (KernelParams::bulk_copies):
@@ -178,29 +179,38 @@ __device__ __forceinline__ void stream_rows(CopyPipe& pipe, const char* src, cha
 
 // ---- pull and push ---------------------------------------------------------------------------
 
-// With bulk copies, lane k of a copy warp describes the warp's k-th row of the block (warps >= 4,
+// The rows [row0, row0 + rows) of a block that a copy item moves: a whole block, or a part of a
+// first block (plan.cuh).
+struct RowRange {
+  int row0, rows;
+};
+constexpr RowRange kWholeBlock{0, kBlockRows};
+
+// With bulk copies, lane k of a copy warp describes the warp's k-th row of the item (warps >= 4,
 // so at most 32 rows per warp): its row r in the block, its layout row i, and its table entry
-// (source rank s, -1 for padding and for lanes past the block; route = token * K + slot there).
+// (source rank s, -1 for padding and for lanes past the item; route = token * K + slot there).
 struct LaneRow {
   int r;
   int64_t i;
   bool in_block;
   int s, route;
-  __device__ __forceinline__ LaneRow(const RowSpaces& rs, int block, int warp, int warps, int lane)
-      : r(warp + lane * warps), i((int64_t)block * kBlockRows + r), in_block(r < kBlockRows),
-        s(in_block ? rs.table[2 * i] : -1), route(in_block ? rs.table[2 * i + 1] : 0) {}
+  __device__ __forceinline__ LaneRow(const RowSpaces& rs, int block, RowRange range, int warp, int warps, int lane)
+      : r(range.row0 + warp + lane * warps), i((int64_t)block * kBlockRows + r),
+        in_block(r < range.row0 + range.rows), s(in_block ? rs.table[2 * i] : -1),
+        route(in_block ? rs.table[2 * i + 1] : 0) {}
 };
 
-// Block b into its slot: rows and router weights. Padding rows are not written into the ring:
-// a GEMM output row depends only on its own input row, the SwiGLU epilogue stores zeros for
-// padding rows and nothing pushes them. With the training copy (save_x, save_w), the rows and
-// weights go there too, at their layout rows, and padding rows there are zeroed (the backward's
-// weight gradients sum over them). Warps `warp` of `warps` take rows warp, warp + warps, ...
-// With `pipe` (bulk copies) the rows are complete in global memory on return.
-__device__ __forceinline__ void pull_block(const RowSpaces& rs, int block, int slot, int warp, int warps,
-                                           int lane, CopyPipe* pipe) {
+// Rows `range` of block b into its slot: rows and router weights. Padding rows are not written
+// into the ring: a GEMM output row depends only on its own input row, the SwiGLU epilogue stores
+// zeros for padding rows and nothing pushes them. With the training copy (save_x, save_w), the
+// rows and weights go there too, at their layout rows, and padding rows there are zeroed (the
+// backward's weight gradients sum over them). Warps `warp` of `warps` take rows row0 + warp,
+// row0 + warp + warps, ... With `pipe` (bulk copies) the rows are complete in global memory on
+// return.
+__device__ __forceinline__ void pull_rows(const RowSpaces& rs, int block, RowRange range, int slot, int warp,
+                                          int warps, int lane, CopyPipe* pipe) {
   if (pipe != nullptr) {
-    const LaneRow lr(rs, block, warp, warps, lane);
+    const LaneRow lr(rs, block, range, warp, warps, lane);
     const int r = lr.r, s = lr.s, route = lr.route;
     const int64_t i = lr.i;
     const bool in_block = lr.in_block;
@@ -224,13 +234,13 @@ __device__ __forceinline__ void pull_block(const RowSpaces& rs, int block, int s
       while (padding) {
         const int k = __ffs(padding) - 1;
         padding &= padding - 1;
-        uint4* z = rs.save_x + ((int64_t)block * kBlockRows + warp + k * warps) * rs.vecs;
+        uint4* z = rs.save_x + ((int64_t)block * kBlockRows + range.row0 + warp + k * warps) * rs.vecs;
         for (int v = lane; v < rs.vecs; v += 32) z[v] = make_uint4(0u, 0u, 0u, 0u);
       }
     }
     return;
   }
-  for (int r = warp; r < kBlockRows; r += warps) {
+  for (int r = range.row0 + warp; r < range.row0 + range.rows; r += warps) {
     const int64_t i = (int64_t)block * kBlockRows + r;
     const int s = rs.table[2 * i];
     const int route = rs.table[2 * i + 1];
@@ -261,7 +271,7 @@ __device__ __forceinline__ void pull_block(const RowSpaces& rs, int block, int s
 __device__ __forceinline__ void push_block(const RowSpaces& rs, int block, int slot, int warp, int warps,
                                            int lane, CopyPipe* pipe) {
   if (pipe != nullptr) {
-    const LaneRow lr(rs, block, warp, warps, lane);
+    const LaneRow lr(rs, block, kWholeBlock, warp, warps, lane);
     const int r = lr.r, s = lr.s, route = lr.route;
     const int64_t row_bytes = (int64_t)rs.vecs * 16;
     const char* src = reinterpret_cast<const char*>(rs.ring_x) + ((int64_t)slot * kBlockRows + r) * row_bytes;
