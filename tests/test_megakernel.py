@@ -682,9 +682,11 @@ def test_megakernel_one_hot_expert_through_a_small_ring():
 
 COPIES_ENV = "MOK_MEGAKERNEL_COPIES"
 """Set to "registers", the comm CTAs copy rows through registers instead of TMA bulk copies."""
-SWITCHES_OFF = {"MOK_MEGAKERNEL_HALF_A": "0", "MOK_MEGAKERNEL_PUSH_HELPERS": "0"}
+SWITCHES_OFF = {"MOK_MEGAKERNEL_HALF_A": "0", "MOK_MEGAKERNEL_PUSH_HELPERS": "0", "MOK_MEGAKERNEL_FIRST_PULL": "0",
+                "MOK_MEGAKERNEL_PULL_CTAS": "1"}
 """The launch's other comparison switches, off: every tile loads all 128 rows of A; only the
-push CTAs push."""
+push CTAs push; no first pulls in parts (the pull CTAs pull every block); one pull CTA instead
+of the split by bytes."""
 SETTINGS = [(2, 128, 256), (2, 256, 1024), (4, 512, 1024), (3, 384, 1536), (None, None, None)]
 
 
@@ -712,7 +714,8 @@ def test_megakernel_is_bitwise_identical_across_settings(virtual, monkeypatch):
         monkeypatch.setenv(name, value)
     results.append(_run(case, group.ranks if virtual else [None], config, group.streams if virtual else None))
     _check_against_oracle(case, results[0], f"settings {SETTINGS[0]}")
-    for setting, res in zip(SETTINGS[1:] + ["register copies", "half-A loads and push helpers off"], results[1:]):
+    for setting, res in zip(SETTINGS[1:] + ["register copies", "half-A loads, push helpers, first pulls off, one pull CTA"],
+                            results[1:]):
         _assert_equal_runs(results[0], res, f"settings {SETTINGS[0]} vs {setting}")
 
 
