@@ -45,7 +45,9 @@ class MoKConfig:
     the device's SM count."""
 
     comm_sms_backward: Optional[int] = None
-    """Same as ``comm_sms_forward``, for the backward kernels."""
+    """Same as ``comm_sms_forward``, for the backward kernels. Checked like it, but no backend
+    reads it yet: every backward runs the ``cuda`` backend's kernels, which size their own
+    grids."""
 
     minibatch_rows: Optional[int] = None
     """Rows handed to the expert GEMMs at once: the overlap granularity. A positive multiple of

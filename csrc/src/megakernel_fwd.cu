@@ -291,7 +291,7 @@ bool env_flag(const char* name, bool fallback) {
 
 // MOK_MEGAKERNEL_PULL_CTAS: how the comm CTAs split into pull and push CTAs, for comparison:
 // unset or "bytes" splits by the bytes each side moves (plan.cuh), "even" in halves (the split
-// before the seventh session), a number takes that many pull CTAs (clamped to leave a push CTA).
+// before the eighth session), a number takes that many pull CTAs (clamped to leave a push CTA).
 int pull_ctas_for(int comm_ctas, bool training_copy) {
   const char* v = std::getenv("MOK_MEGAKERNEL_PULL_CTAS");
   if (v == nullptr || *v == 0 || std::strcmp(v, "bytes") == 0) return pull_ctas(comm_ctas, training_copy);

@@ -44,12 +44,13 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "GPUs, else the pure-PyTorch reference (any device, slow).")
     group.add_argument("--mok-comm-sms", type=int, default=None,
                        help="SMs that only move data, forward and backward (default: from the "
-                            "device: 16, at most a quarter of the SMs; `python -m megatron_mok.bench "
+                            "device: 10, at most a quarter of the SMs; `python -m megatron_mok.bench "
                             "tune` measures a shape). Overridden by the two flags below.")
     group.add_argument("--mok-comm-sms-forward", type=int, default=None,
                        help="Comm SMs of the forward kernels.")
     group.add_argument("--mok-comm-sms-backward", type=int, default=None,
-                       help="Comm SMs of the backward kernels.")
+                       help="Comm SMs of the backward kernels (checked, but no backend reads it yet: "
+                            "the backward runs the cuda backend's kernels, which size their own grids).")
     group.add_argument("--mok-minibatch-rows", type=int, default=None,
                        help="Rows handed to the expert GEMMs at once (a multiple of "
                             "--mok-tile-rows; default: two GEMM waves per compute SM).")
