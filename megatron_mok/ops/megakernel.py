@@ -100,9 +100,9 @@ def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int,
     """Item ``index`` of the ``queue`` ("compute", "pull", "push" or "first_pull") of the
     kernel's work plan.
 
-    Returns (kind, row block, column block (the part, for "pull_part"), counter waited on, its slot, target value; a
-    target <= 0 means no wait). Raises :class:`MegakernelArgumentError` for an index past the
-    queue's end or bad sizes.
+    Returns (kind, row block, column block (the part, for "pull_part"), counter waited on, its
+    slot, target value; a target <= 0 means no wait). Raises :class:`MegakernelArgumentError`
+    for an index past the queue's end or bad sizes.
     """
     lib, fns = _lib()
     out = (ctypes.c_int32 * 6)()

@@ -1,7 +1,7 @@
 // Row copies of the megakernel's comm CTAs: a pull copies the 128 rows of a row block, or 16 of
 // them (a part of a first block, plan.cuh), and their router weights from their source ranks
-// into a ring slot, a push copies a block's
-// output rows from the ring into their home ranks' (token, slot) rows.
+// into a ring slot; a push copies a block's output rows from the ring into their home ranks'
+// (token, slot) rows.
 //
 // Two ways to move a row, chosen per launch (KernelParams::bulk_copies):
 //
