@@ -36,6 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_mok import MoKConfig  # noqa: E402
+from megatron_mok.bench.timing import interleaved_rounds  # noqa: E402
 from megatron_mok.bench.tune import Candidate  # noqa: E402
 from megatron_mok.functional import check_errors, megakernel_backend, mok_moe  # noqa: E402
 
@@ -203,22 +204,8 @@ def ab_timing(variants, rounds: int, distributed: bool, rank: int, label: str) -
     """Paired timing of two (name, call) variants, alternating which goes first in each round
     (so slow drifts such as clocks under the power cap cancel). Each call is synchronised; its
     time is the slowest rank's."""
-    times = {name: [] for name, _ in variants}
-    for r in range(rounds + 2):
-        for name, call in (variants if r % 2 == 0 else variants[::-1]):
-            if distributed:
-                dist.barrier()
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            call()
-            b.record()
-            torch.cuda.synchronize()
-            t = torch.tensor([a.elapsed_time(b)], device="cuda")
-            if distributed:
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if r >= 2:  # two warm-up rounds
-                times[name].append(float(t))
+    group = dist.group.WORLD if distributed else None
+    times = interleaved_rounds(variants, rounds, group, torch.device("cuda", torch.cuda.current_device()))
     check_errors()
     if rank == 0:
         (na, _), (nb, _) = variants

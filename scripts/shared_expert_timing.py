@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_mok.bench.timing import interleaved_rounds
 from megatron_mok.functional import check_errors, mok_moe
 
 
@@ -75,25 +76,13 @@ def main() -> None:
         return mok_moe(x, fused_ids, fused_w(), torch.cat([fc1, sh1]), torch.cat([fc2, sh2]), ep_group=group)
 
     variants = [("separate", separate), ("segments", segments), ("copy", copy)]
-    times = {name: [] for name, _ in variants}
-    for r in range(args.rounds + 2):
-        order = variants if r % 2 == 0 else variants[::-1]
-        for name, fn in order:
-            for t in (x, w, fc1, fc2, sh1, sh2):
-                t.grad = None
-            if distributed:
-                dist.barrier()
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn().backward(dy)
-            b.record()
-            torch.cuda.synchronize()
-            ms = torch.tensor([a.elapsed_time(b)], device="cuda")
-            if distributed:
-                dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-            if r >= 2:  # two warm-up rounds
-                times[name].append(float(ms))
+    def clear_grads():
+        for t in (x, w, fc1, fc2, sh1, sh2):
+            t.grad = None
+
+    steps = [(name, lambda fn=fn: fn().backward(dy)) for name, fn in variants]
+    times = interleaved_rounds(steps, args.rounds, dist.group.WORLD if distributed else None,
+                               torch.device("cuda", torch.cuda.current_device()), setup=clear_grads)
     check_errors()
     if rank == 0:
         base = statistics.median(times["separate"])

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -491,3 +492,16 @@ def test_tune_without_a_gpu_says_so(capsys, monkeypatch):
     assert "needs an sm_90 GPU" in capsys.readouterr().out
     assert tune.main(["--candidates", "1:2"]) == 2
     assert "must be COMM:MINIBATCH:RING" in capsys.readouterr().out
+
+
+def test_interleaved_rounds_alternate_the_order_and_drop_the_warmup():
+    from megatron_mok.bench.timing import interleaved_rounds
+
+    calls, setups = [], []
+    variants = [("a", lambda: calls.append("a")), ("b", lambda: (calls.append("b"), time.sleep(0.002)))]
+    times = interleaved_rounds(variants, 3, None, torch.device("cpu"), warmup=2,
+                               setup=lambda: setups.append(len(calls)))
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]  # 5 rounds, order flips each
+    assert setups == list(range(10))  # before every call, untimed
+    assert sorted(times) == ["a", "b"] and len(times["a"]) == len(times["b"]) == 3
+    assert all(t >= 2.0 for t in times["b"]) and all(0 <= t < 2.0 for t in times["a"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -93,3 +93,34 @@ def align_ranks(group: Optional[dist.ProcessGroup], device: torch.device) -> Non
         dist.all_reduce(torch.zeros(1, device=device), group=group)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+
+def interleaved_rounds(variants: Sequence[Tuple[str, Callable[[], object]]], rounds: int,
+                       group: Optional[dist.ProcessGroup], device: torch.device, *, warmup: int = 2,
+                       setup: Optional[Callable[[], None]] = None) -> Dict[str, List[float]]:
+    """Times (name, call) variants call by call, alternating their order every round (so slow
+    drifts, such as the clock under a power cap, cancel in paired differences).
+
+    Each call runs alone: ``setup`` (untimed), the ranks meet, the call is timed, the device is
+    synchronised; its time is the slowest rank's (an all-reduce MAX over ``group``).
+
+    Returns:
+        {name: [ms of each timed round]}, ``rounds`` values each, in round order (the first
+        ``warmup`` rounds are run and dropped).
+    """
+    times: Dict[str, List[float]] = {name: [] for name, _ in variants}
+    for r in range(rounds + warmup):
+        for name, call in (variants if r % 2 == 0 else variants[::-1]):
+            if setup is not None:
+                setup()
+            align_ranks(group, device)
+            watch = Stopwatch(device)
+            watch.mark("start")
+            call()
+            watch.mark("end")
+            ms = torch.tensor([watch.ms("start", "end")], device=device)
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
+            if r >= warmup:
+                times[name].append(float(ms))
+    return times
