@@ -39,6 +39,7 @@ from megatron_mok import MoKConfig  # noqa: E402
 from megatron_mok.bench.timing import interleaved_rounds  # noqa: E402
 from megatron_mok.bench.tune import Candidate  # noqa: E402
 from megatron_mok.functional import check_errors, megakernel_backend, mok_moe  # noqa: E402
+from megatron_mok.ops import megakernel as mk_ops  # noqa: E402
 
 KINDS = {1: "fc1", 2: "fc2", 3: "pull", 4: "push", 6: "part"}  # part: 16 rows of a first block's pull
 
@@ -327,7 +328,9 @@ def main() -> None:
         records = tr["records"].cpu().numpy()
         items, ctas = decode(records)
         ms = statistics.median(times)
-        label = (f"rank {rank}/{P} L={L} T={T} H={H} I={I} K={K} comm={tr['comm_ctas']} mb={tr['minibatch_rows']} "
+        grid, pairs = mk_ops.launch_shape(tr["comm_ctas"], tr["num_ctas"], tr["pairs"])
+        label = (f"rank {rank}/{P} L={L} T={T} H={H} I={I} K={K} ctas={grid}{' in pairs' if pairs else ''} "
+                 f"comm={tr['comm_ctas']} mb={tr['minibatch_rows']} "
                  f"ring={tr['ring_rows']}{' training' if args.training else ''}: {ms:.3f} ms untraced ({flop / ms / 1e9:.0f} TFLOP/s); back to back "
                  f"{stream_ms:.3f} ms/call, host {host_ms:.3f} ms/call")
         n_blocks = int(((counts + 127) // 128).sum())

@@ -88,6 +88,16 @@ def test_selection_auto_takes_the_megakernel_and_logs_one_line_when_it_cannot(mo
     assert len(lines) == 1 and "tile_rows=64" in lines[0], lines
 
 
+def test_pair_mode_is_asked_for_in_the_weight_bound_regime():
+    # Kimi-K2 / DeepSeek-V3 at EP 2 (192 / 128 experts per GPU, ~170 / 256 rows per expert): pairs;
+    # the per-GPU load of EP 8 and EP 64 (48 and 6 experts, ~680 and ~5500 rows): single CTAs.
+    def shape(experts):
+        return dataclasses.replace(KIMI, experts_per_rank=experts)
+    assert [mkb.use_pairs(shape(e)) for e in (192, 128, 129, 48, 6)] == [True, True, True, False, False]
+    assert mkb.use_pairs(dataclasses.replace(shape(6), tokens=96))  # 96 x 8 / 6 = 128 rows per expert
+    assert not mkb.use_pairs(dataclasses.replace(shape(128), tokens=4097))
+
+
 def test_tunables_resolve_within_the_rules():
     cfg = mkb.resolve_tunables(MoKConfig(), KIMI, 2, 132)
     assert cfg.comm_sms_forward == 10 and cfg.minibatch_rows % 128 == 0 and cfg.ring_rows == 4 * cfg.minibatch_rows
@@ -166,7 +176,7 @@ def _valid_args(**over):
     a = dict(bases=p, signal_bases=p, rows_offset=0, scalars_offset=1024, slots_offset=4096, table=p,
              offsets=p, counts=p, topk_ids=p, fc1_weight=p, fc2_weight=p, ring_x=p, ring_h=p, ring_w=p,
              counters=p, y=p, epoch_counter=p, status=p, timeout_ns=10 ** 9, P=2, rank=0, L=4, H=1024,
-             I=512, K=2, T=64, ring_rows=512, minibatch_rows=256, comm_ctas=2, num_ctas=0, L1=4)
+             I=512, K=2, T=64, ring_rows=512, minibatch_rows=256, comm_ctas=2, num_ctas=0, L1=4, pairs=0)
     a.update(over)
     return mk.MegakernelArgs(**a)
 
@@ -179,6 +189,7 @@ def _valid_args(**over):
     dict(save_x=0x10000, save_w=0x10000), dict(save_x=0x10000, save_w=0x10000, save_gu=0x10008),
     dict(L1=3), dict(fc1_weight2=0x10000, L1=3), dict(fc1_weight2=0x10000, fc2_weight2=0x10000),
     dict(fc1_weight2=0x10000, fc2_weight2=0x10000, L1=0), dict(fc1_weight2=0x10008, fc2_weight2=0x10000, L1=3),
+    dict(pairs=2), dict(pairs=-1),
 ])
 def test_c_abi_rejects_bad_arguments_before_any_cuda_call(use_lib, over):
     _, fns = mk._lib()
@@ -192,14 +203,34 @@ def _first_blocks(n_blocks, mb, slots):
     return min(2 * mb, slots, n_blocks)
 
 
-def _queue(queue, n_blocks, mb, slots, n1, n2):
+def _units(n_blocks, mb, pairs):
+    """Tile units of the layout: blocks, or in pair mode pairs of blocks within a minibatch."""
+    if not pairs:
+        return n_blocks
+    return sum((min(mb, n_blocks - m) + 1) // 2 for m in range(0, n_blocks, mb))
+
+
+def _queue(queue, n_blocks, mb, slots, n1, n2, pairs=False):
     nf = _first_blocks(n_blocks, mb, slots)
-    total = {"compute": n_blocks * (n1 + n2), "first_pull": nf * mk.FIRST_PULL_PARTS, "pull": n_blocks - nf,
-             "push": n_blocks}[queue]
-    items = [mk.plan_item(queue, i, n_blocks, mb, slots, n1, n2) for i in range(total)]
+    total = {"compute": _units(n_blocks, mb, pairs) * (n1 + n2), "first_pull": nf * mk.FIRST_PULL_PARTS,
+             "pull": n_blocks - nf, "push": n_blocks}[queue]
+    items = [mk.plan_item(queue, i, n_blocks, mb, slots, n1, n2, pairs) for i in range(total)]
     with pytest.raises(mk.MegakernelArgumentError):
-        mk.plan_item(queue, total, n_blocks, mb, slots, n1, n2)
+        mk.plan_item(queue, total, n_blocks, mb, slots, n1, n2, pairs)
     return items
+
+
+def _pair_tiles(n_blocks, mb, slots, n1, n2):
+    """The pair-mode compute queue as [[tile of the first CTA, tile of the second (if any)]], each
+    tile with the wait the single-CTA plan gives its block (the kernel's CTA of rank r waits for
+    block + r exactly so)."""
+    single = {item[:3]: item for item in _queue("compute", n_blocks, mb, slots, n1, n2)}
+    out = []
+    for kind, block, col, *wait in _queue("compute", n_blocks, mb, slots, n1, n2, pairs=True):
+        assert tuple(wait) == single[(kind, block, col)][3:]
+        second = mk.pair_partner(block, n_blocks, mb)
+        out.append([single[(kind, block, col)]] + ([single[(kind, second, col)]] if second is not None else []))
+    return out
 
 
 def _segments(items, mb):
@@ -210,6 +241,32 @@ def _segments(items, mb):
         if not out or out[-1] != key:
             out.append(key)
     return out
+
+
+@pytest.mark.parametrize("n_blocks,mb", [(1, 1), (5, 2), (16, 4), (17, 4), (9, 3), (3, 8), (40, 16), (37, 16)])
+def test_pair_plan_covers_every_tile_once_in_pairs_of_one_minibatch(use_lib, n_blocks, mb):
+    n1, n2, slots = 3, 2, 2 * mb
+    pairs = _pair_tiles(n_blocks, mb, slots, n1, n2)
+    tiles = [t[:3] for pair in pairs for t in pair]
+    assert sorted(tiles) == sorted([("fc1", b, c) for b in range(n_blocks) for c in range(n1)]
+                                   + [("fc2", b, c) for b in range(n_blocks) for c in range(n2)])
+    for pair in pairs:
+        (k, b, c), rest = pair[0][:3], pair[1:]
+        assert (b % mb) % 2 == 0  # pairs start at even positions of their minibatch
+        if rest:
+            assert rest[0][:3] == (k, b + 1, c) and (b + 1) // mb == b // mb
+        else:  # the odd last block of its minibatch
+            assert b + 1 == min((b // mb + 1) * mb, n_blocks) and min(mb, n_blocks - b // mb * mb) % 2 == 1
+    # The same minibatch interleaving as the single-CTA plan; within a minibatch, column block by
+    # column block over groups of up to 4 pairs (8 blocks).
+    n = -(-n_blocks // mb)
+    firsts = [pair[0] for pair in pairs]
+    assert _segments(firsts, mb) == ([("fc1", 0)] + [s for m in range(1, n) for s in (("fc1", m), ("fc2", m - 1))]
+                                     + [("fc2", n - 1)])
+    mb0 = list(range(0, min(mb, n_blocks), 2))
+    groups = [mb0[g:g + 4] for g in range(0, len(mb0), 4)]
+    assert [(b, c) for k, b, c, *_ in firsts if k == "fc1" and b < mb] == [
+        (b, c) for grp in groups for c in range(n1) for b in grp]
 
 
 @pytest.mark.parametrize("n_blocks,mb", [(1, 1), (5, 2), (16, 4), (17, 4), (9, 3), (3, 8)])
@@ -246,7 +303,7 @@ def test_plan_covers_every_item_once_in_the_documented_order(use_lib, n_blocks, 
 
 
 def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahead, seed, push_helpers=True,
-             pull_workers=None):
+             pull_workers=None, pairs=False):
     """Replay the kernel's protocol: workers take queue items in order, wait for the counter
     targets the plan gives, and bump the counters the kernel bumps. Returns None when every
     item ran, else a description of the deadlock. Asserts the dependencies and the slot
@@ -255,9 +312,14 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
     empty, a compute worker until the first minibatch's parts are taken; then its role. comm_workers >= 2, of which pull_workers (default: the kernel's split without the
     training copy) pull and the rest push. With push_helpers, a compute
     worker whose producer found the compute queue empty and whose consumers are done serves the
-    push queue too, as the kernel's compute CTAs do."""
+    push queue too, as the kernel's compute CTAs do. With pairs, a compute worker is a cluster
+    of two CTAs that takes pair tiles: its loads go out once both blocks' inputs are in (each
+    CTA's consumers wait for the weight box the other multicasts), and both tiles finish
+    together."""
     rng = random.Random(seed)
     queues = {q: _queue(q, n_blocks, mb, slots, n1, n2) for q in ("compute", "pull", "push", "first_pull")}
+    # Compute items as lists of tiles: one tile, or the one or two tiles of a pair.
+    queues["compute"] = (_pair_tiles(n_blocks, mb, slots, n1, n2) if pairs else [[t] for t in queues["compute"]])
     nxt = {"compute": 0, "pull": 0, "push": 0, "first_pull": 0}
     nf = _first_blocks(n_blocks, mb, slots)
     if pull_workers is None:
@@ -306,7 +368,7 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
     workers = [("comm", w) for w in range(comm_workers)] + [("compute", w) for w in range(compute_workers)]
     first = {wk: None for wk in workers}                # first-pull part a worker holds
     in_first = {wk: True for wk in workers}             # still serving the first-pull queue
-    total = sum(len(q) for q in queues.values())
+    total = sum(len(q) for name, q in queues.items() if name != "compute") + n_blocks * (n1 + n2)
     while len(done) < total:
         actions = []
         for wk in workers:
@@ -334,7 +396,7 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
                 continue
             if producers[w] is None and nxt["compute"] < len(queues["compute"]) and len(issued[w]) < lookahead:
                 actions.append(("take_compute", w))
-            elif producers[w] is not None and ready(producers[w]):
+            elif producers[w] is not None and all(ready(t) for t in producers[w]):
                 actions.append(("issue", w))
             if issued[w]:
                 actions.append(("consume", w))
@@ -376,11 +438,13 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
             producers[w] = queues["compute"][nxt["compute"]]
             nxt["compute"] += 1
         elif act == "issue":
-            start(producers[w])
+            for t in producers[w]:
+                start(t)
             issued[w].append(producers[w])
             producers[w] = None
         else:
-            finish(issued[w].pop(0))
+            for t in issued[w].pop(0):
+                finish(t)
     return None
 
 
@@ -396,7 +460,9 @@ def test_protocol_never_deadlocks_and_respects_dependencies(use_lib, seed):
                 pull_workers=rng.randint(1, comm - 1))
     for replay in range(3):
         for helpers in (True, False):
-            assert simulate(**args, seed=seed * 10 + replay, push_helpers=helpers) is None, (args, helpers)
+            for pairs in (False, True):
+                assert simulate(**args, seed=seed * 10 + replay, push_helpers=helpers, pairs=pairs) is None, (
+                    args, helpers, pairs)
 
 
 def test_comm_ctas_split_by_the_bytes_each_side_moves(use_lib):
@@ -417,6 +483,8 @@ def test_comm_ctas_split_by_the_bytes_each_side_moves(use_lib):
 def test_one_hot_expert_through_a_two_slot_ring(use_lib):
     # 24 row blocks of one expert through a ring of 2 slots (minibatch of one block).
     assert simulate(24, 1, 2, 16, 28, comm_workers=2, compute_workers=6, lookahead=2, seed=7) is None
+    assert simulate(24, 1, 2, 16, 28, comm_workers=2, compute_workers=3, lookahead=2, seed=7, pairs=True) is None
+    assert simulate(24, 2, 4, 16, 28, comm_workers=2, compute_workers=3, lookahead=2, seed=8, pairs=True) is None
 
 
 def test_a_one_minibatch_ring_deadlocks_and_the_simulator_sees_it(use_lib):
@@ -683,11 +751,29 @@ def test_megakernel_one_hot_expert_through_a_small_ring():
 COPIES_ENV = "MOK_MEGAKERNEL_COPIES"
 """Set to "registers", the comm CTAs copy rows through registers instead of TMA bulk copies."""
 SWITCHES_OFF = {"MOK_MEGAKERNEL_HALF_A": "0", "MOK_MEGAKERNEL_PUSH_HELPERS": "0", "MOK_MEGAKERNEL_FIRST_PULL": "0",
-                "MOK_MEGAKERNEL_PULL_CTAS": "1"}
+                "MOK_MEGAKERNEL_PULL_CTAS": "1", "MOK_MEGAKERNEL_PAIRS": "0"}
 """The launch's other comparison switches, off: every tile loads all 128 rows of A; only the
 push CTAs push; no first pulls in parts (the pull CTAs pull every block); one pull CTA instead
-of the split by bytes."""
+of the split by bytes; single CTAs instead of clusters of two sharing the weight tiles."""
 SETTINGS = [(2, 128, 256), (2, 256, 1024), (4, 512, 1024), (3, 384, 1536), (None, None, None)]
+
+
+@pytest.mark.gpu
+def test_megakernel_runs_in_clusters_of_two_on_every_sm(monkeypatch):
+    """Pair mode, when asked for, keeps every SM of an H100/H200 (every CTA in a cluster of two);
+    not with an odd comm CTA count or grid; the environment switch overrides the request."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert mk.launch_shape(10, 0, pairs=True) == (sms, True)
+    assert mk.launch_shape(10, 0, pairs=False) == (sms, False)
+    assert mk.launch_shape(2, 64, pairs=True) == (64, True)
+    assert mk.launch_shape(3, 0, pairs=True) == (sms, False)
+    assert mk.launch_shape(10, 65, pairs=True) == (65, False)
+    monkeypatch.setenv("MOK_MEGAKERNEL_PAIRS", "0")
+    assert mk.launch_shape(10, 0, pairs=True) == (sms, False)
+    monkeypatch.setenv("MOK_MEGAKERNEL_PAIRS", "1")
+    assert mk.launch_shape(10, 0, pairs=False) == (sms, True)
+    with pytest.raises(mk.MegakernelArgumentError):
+        mk.launch_shape(10, 10)  # no CTA left to compute
 
 
 @pytest.mark.gpu
@@ -699,6 +785,9 @@ def test_megakernel_is_bitwise_identical_across_settings(virtual, monkeypatch):
     case = gpu_case(131, tokens, 2048, 1024, 6, 4, "zipf")
     group = LocalEPGroup(len(tokens)) if virtual else None
     results = []
+    # Pair mode forced on (this shape's rows per expert would not ask for it); odd comm CTA
+    # counts (3) still run single CTAs, so the settings compare both.
+    monkeypatch.setenv("MOK_MEGAKERNEL_PAIRS", "1")
     for comm, mb, ring in SETTINGS:
         config = MoKConfig(comm_sms_forward=comm, minibatch_rows=mb, ring_rows=ring, timeout_s=20.0,
                            max_tokens_per_rank=max(tokens))
@@ -714,7 +803,8 @@ def test_megakernel_is_bitwise_identical_across_settings(virtual, monkeypatch):
         monkeypatch.setenv(name, value)
     results.append(_run(case, group.ranks if virtual else [None], config, group.streams if virtual else None))
     _check_against_oracle(case, results[0], f"settings {SETTINGS[0]}")
-    for setting, res in zip(SETTINGS[1:] + ["register copies", "half-A loads, push helpers, first pulls off, one pull CTA"],
+    for setting, res in zip(SETTINGS[1:] + ["register copies",
+                                            "half-A loads, push helpers, first pulls, pairs off, one pull CTA"],
                             results[1:]):
         _assert_equal_runs(results[0], res, f"settings {SETTINGS[0]} vs {setting}")
 

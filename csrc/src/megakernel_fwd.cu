@@ -60,6 +60,7 @@ struct KernelParams {
   int mb_blocks, slots, n1, n2;
   int bulk_copies;   // 1: comm CTAs move rows with TMA bulk copies; 0: through registers
   int push_helpers;  // 1: compute CTAs serve the push queue after their tiles
+  int pairs;         // 1: launched in clusters of two that run pair tiles (plan.cuh)
 };
 
 // Shared memory after the stage ring (whose plan is Fc1Cfg::kSmemBytes, alignment included).
@@ -69,8 +70,10 @@ struct CtaShared {
   Item comm_item;
   SumShared sum;
   uint64_t epoch;
+  uint64_t mail;        // pair mode: the producers' hand-over barrier (tiles.cuh, PairLink)
   int32_t ticket;
   int32_t n_blocks;
+  int32_t pair_ticket;  // pair mode: the compute-queue position handed to the follower
 };
 constexpr int kSmemBytes = Fc1Cfg::kSmemBytes + (int)sizeof(CtaShared);
 static_assert(Fc1Cfg::kSmemBytes % alignof(CtaShared) == 0, "CtaShared alignment");
@@ -106,7 +109,7 @@ __device__ __forceinline__ int take_below(int32_t* next, int limit) {
 // Trace record of a comm item (trace.cuh): pulls and pushes by block, first-pull parts after
 // the CTAs' records.
 __device__ __forceinline__ int64_t comm_record(const Plan& plan, const Item& it, int index) {
-  const int64_t base = compute_items(plan);
+  const int64_t base = compute_records(plan);
   if (it.kind == kPull) return base + it.block;
   if (it.kind == kPush) return base + plan.n_blocks + it.block;
   return base + comm_items(plan) + gridDim.x + index;
@@ -206,22 +209,33 @@ __device__ __noinline__ void serve_first_pulls(const KernelParams& p, const Plan
 
 __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_constant__ KernelParams p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  const g::SmemRing<Fc1Cfg> ring1(smem_raw);
-  const g::SmemRing<Fc2Cfg> ring2(smem_raw);
+  // Pair mode: every stage is released by the consumers of both CTAs of the cluster (the peer
+  // multicasts into it); the rings follow the launch's cluster size.
+  const g::SmemRing<Fc1Cfg> ring1(smem_raw, g::kPeersOfLaunch);
+  const g::SmemRing<Fc2Cfg> ring2(smem_raw, g::kPeersOfLaunch);
   CtaShared& sh = *reinterpret_cast<CtaShared*>(smem_raw + Fc1Cfg::kSmemBytes);
+  const int rank = p.pairs ? (int)g::cluster_rank() : 0;
   if (threadIdx.x == 0) {
-    sh.ticket = atomicAdd(&p.counters[kRoleTicket], 1);
+    // Roles by ticket; a cluster takes two consecutive tickets (comm_ctas is even in pair mode,
+    // so both CTAs of a cluster get the same role).
+    if (rank == 0) sh.ticket = atomicAdd(&p.counters[kRoleTicket], p.pairs ? 2 : 1);
     sh.epoch = *reinterpret_cast<const uint64_t*>(p.counters + kEpochLo);  // the reset kernel's
     sh.n_blocks = p.offsets[p.L] / kBlockRows;
     ring1.init_barriers();
+    g::mbar_init(&sh.mail, 1);
+    g::mbar_fence_init();
   }
   for (int i = threadIdx.x; i <= p.L; i += blockDim.x) ring1.table0[i] = p.offsets[i];
   for (int i = threadIdx.x; i < p.L; i += blockDim.x) ring1.table1[i] = p.counts[i];
+  if (p.pairs) {
+    g::cluster_sync();  // barriers initialised in both CTAs, the leader's ticket taken
+    if (threadIdx.x == 0 && rank == 1) sh.ticket = (int32_t)g::ld_shared_cluster_u32(&sh.ticket, 0) + 1;
+  }
   __syncthreads();
-  const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2, p.first_minibatches};
+  const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2, p.first_minibatches, p.pairs};
   const int wg = threadIdx.x / 128;
   const int64_t cta_record =
-      p.trace.on() ? (int64_t)compute_items(plan) + comm_items(plan) + (int64_t)blockIdx.x : (int64_t)-1;
+      p.trace.on() ? (int64_t)compute_records(plan) + comm_items(plan) + (int64_t)blockIdx.x : (int64_t)-1;
   if (p.trace.on() && threadIdx.x == 0) {
     p.trace.stamp(cta_record, kTrTake);
     p.trace.put(cta_record, kTrMeta, kTraceCtaKind | ((sh.ticket < p.comm_ctas ? 1 : 0) << 8));
@@ -237,17 +251,22 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     if (plan.n_blocks == 0 && sh.ticket == 0 && threadIdx.x == 0 && !timeout_recorded(p.status))
       raise_combine_done(p, sh.epoch);
   } else {
+    // Pair mode: the peer multicasts into this CTA's stages as soon as its producer starts, and
+    // the first pulls used them as copy chunks: both CTAs finish those first.
+    if (p.pairs) g::cluster_sync();
     const ComputeContext cx{p.counters, deadline_of(p), p.L, p.trace};
+    const PairLink link{p.pairs ? rank : -1, &sh.mail, &sh.pair_ticket};
     // No setmaxnreg: the consumers' code fits the launch bound's 168 registers without spills
     // (ptxas -v), and at 40 registers the producer's queue and wait logic would spill.
     if (wg == 0) {
-      if (threadIdx.x == 0) produce_tiles(p.ops, plan, cx, ring1.table0, ring1.table1, ring1, ring2, sh.records);
+      if (threadIdx.x == 0) produce_tiles(p.ops, plan, cx, ring1.table0, ring1.table1, ring1, ring2, sh.records, link);
     } else {
       consume_tiles(p.ops, plan, cx, ring1, ring2, sh.records, wg - 1);
       if (threadIdx.x == 128) p.trace.stamp(cta_record, kTrReady);
     }
     // The compute queue is empty and this CTA's tiles are done: help with the pushes that are
-    // left (at the end of the launch the last minibatches' blocks wait for the push CTAs).
+    // left (at the end of the launch the last minibatches' blocks wait for the push CTAs). In
+    // pair mode every byte the peer multicast into the stages was consumed before the end.
     __syncthreads();
     if (p.push_helpers) serve_comm_queue(p, plan, sh, ring1.a(0), kPushQueue);
   }
@@ -258,6 +277,8 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
                    p.rows.vecs, p.trace, cta_record};
   combine_and_sum(sa, sh.sum, threadIdx.x);
   if (threadIdx.x == 0) p.trace.stamp(cta_record, kTrDone);
+  // Pair mode: neither CTA exits while its peer may still arrive on its barriers.
+  if (p.pairs) g::cluster_sync();
 }
 
 // Zeroes the counters (queues, arrivals, per-slot counters) and takes this call's epoch from
@@ -282,7 +303,8 @@ bool bulk_copies_enabled() {
 
 // Switches kept for comparison (the results are bitwise the same either way):
 // MOK_MEGAKERNEL_HALF_A=0 loads all 128 rows of A for every tile; MOK_MEGAKERNEL_PUSH_HELPERS=0
-// leaves the pushes to the push CTAs alone.
+// leaves the pushes to the push CTAs alone; MOK_MEGAKERNEL_PAIRS=0 / 1 launches single CTAs /
+// clusters of two whatever MokMegakernelArgs::pairs asks.
 bool env_flag(const char* name, bool fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == 0) return fallback;
@@ -337,6 +359,71 @@ cudaError_t ctas_per_sm(int* out) {
   return cudaSuccess;
 }
 
+// A launch of `grid` CTAs of forward_kernel in clusters of two (pair mode); `attr` holds the
+// cluster attribute the configuration points to.
+cudaLaunchConfig_t pair_launch_config(int64_t grid, cudaStream_t stream, cudaLaunchAttribute* attr) {
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = 2;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)grid, 1, 1);
+  cfg.blockDim = dim3(g::kThreads, 1, 1);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// Clusters of two CTAs of forward_kernel that can be resident at once on the current device
+// (pair mode), queried once per device; 0 when none fits.
+std::atomic<int> g_resident_pairs[kMaxDevices];  // 0: not known yet; -1: none
+
+cudaError_t resident_pairs(int sms, int* out) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const bool cached = dev >= 0 && dev < kMaxDevices;
+  if (cached) {
+    const int known = g_resident_pairs[dev].load(std::memory_order_relaxed);
+    if (known != 0) {
+      *out = known > 0 ? known : 0;
+      return cudaSuccess;
+    }
+  }
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = pair_launch_config(sms / 2 * 2, nullptr, &attr);
+  e = cudaOccupancyMaxActiveClusters(out, forward_kernel, &cfg);
+  if (e != cudaSuccess) return e;
+  if (cached) g_resident_pairs[dev].store(*out > 0 ? *out : -1, std::memory_order_relaxed);
+  return cudaSuccess;
+}
+
+// The launch's grid and whether it runs in pair mode. One CTA per SM, every CTA resident: the
+// grid comes from the occupancy query, never from the work (a fixed share of the SMs when the
+// caller asks for fewer). Pair mode (when wanted: MokMegakernelArgs::pairs, or
+// MOK_MEGAKERNEL_PAIRS): clusters of two CTAs that run pair tiles and share the weight tile
+// (plan.cuh), taken only when it keeps every CTA of that grid: an even grid and comm CTA
+// count, and that many CTAs resident as clusters.
+int launch_shape(int64_t comm_ctas, int64_t num_ctas, bool want_pairs, int64_t* grid_out, int* pairs_out) {
+  int sms = 0, per_sm = 0;
+  MOK_RETURN_IF_CUDA_ERROR(g::sm_count(&sms));
+  MOK_RETURN_IF_CUDA_ERROR(ctas_per_sm(&per_sm));
+  if (per_sm < 1) return MOK_ERR_UNSUPPORTED;  // the CTA does not fit an SM of this device
+  int64_t grid = (int64_t)sms * per_sm;
+  if (num_ctas > 0 && num_ctas < grid) grid = num_ctas;
+  if (grid <= comm_ctas) return MOK_ERR_INVALID_ARGUMENT;  // no CTA left to compute
+  int pairs = 0;
+  if (want_pairs && grid % 2 == 0 && comm_ctas % 2 == 0) {
+    MOK_RETURN_IF_CUDA_ERROR(resident_pairs(sms, &pairs));
+    pairs = 2 * (int64_t)pairs >= grid ? 1 : 0;
+  }
+  *grid_out = grid;
+  *pairs_out = pairs;
+  return MOK_OK;
+}
+
 // Argument checks (no CUDA call). Returns MOK_OK or MOK_ERR_INVALID_ARGUMENT.
 int check_args(const MokMegakernelArgs& a) {
   MOK_REQUIRE(a.bases && a.signal_bases && a.table && a.offsets && a.counts && a.fc1_weight &&
@@ -364,6 +451,7 @@ int check_args(const MokMegakernelArgs& a) {
   MOK_REQUIRE((a.fc1_weight2 == nullptr) == (a.fc2_weight2 == nullptr));
   MOK_REQUIRE(a.fc1_weight2 == nullptr ? a.L1 == a.L : (a.L1 >= 1 && a.L1 < a.L));
   MOK_REQUIRE(a.fc1_weight2 == nullptr || (aligned16(a.fc1_weight2) && aligned16(a.fc2_weight2)));
+  MOK_REQUIRE(a.pairs == 0 || a.pairs == 1);
   return MOK_OK;
 }
 
@@ -376,10 +464,12 @@ MOK_API int64_t mok_megakernel_counter_words(int ring_slots) {
 }
 
 MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_blocks, int slots,
-                                     int n1, int n2, int32_t* out) {
+                                     int n1, int n2, int pairs, int32_t* out) {
   MOK_REQUIRE(out && n_blocks >= 0 && mb_blocks >= 1 && slots >= 1 && n1 >= 1 && n2 >= 1);
   MOK_REQUIRE(queue == kComputeQueue || queue == kPullQueue || queue == kPushQueue || queue == kFirstPullQueue);
-  const Plan plan{n_blocks, mb_blocks, slots, n1, n2};
+  MOK_REQUIRE(pairs == 0 || pairs == 1);
+  Plan plan{n_blocks, mb_blocks, slots, n1, n2};
+  plan.pairs = pairs;
   MOK_REQUIRE(index >= 0 && index < queue_items(plan, queue));
   const Item it = queue_item(plan, queue, index);
   const Wait w = wait_of(plan, it);
@@ -389,6 +479,17 @@ MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_
   out[3] = w.counter;
   out[4] = w.slot;
   out[5] = w.target;
+  return MOK_OK;
+}
+
+MOK_API int mok_megakernel_launch_shape(int64_t comm_ctas, int64_t num_ctas, int64_t want_pairs, int64_t* out) {
+  MOK_REQUIRE(out != nullptr && comm_ctas >= 2 && num_ctas >= 0 && (want_pairs == 0 || want_pairs == 1));
+  int64_t grid = 0;
+  int pairs = 0;
+  const int rc = launch_shape(comm_ctas, num_ctas, env_flag("MOK_MEGAKERNEL_PAIRS", want_pairs != 0), &grid, &pairs);
+  if (rc != MOK_OK) return rc;
+  out[0] = grid;
+  out[1] = pairs;
   return MOK_OK;
 }
 
@@ -406,18 +507,18 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   KernelParams p{};
   int rc = g::encode_map_2d(&p.ops.fc1.map_a, a.ring_x, a.H, a.ring_rows, g::kBK, kBlockRows);
   if (rc == MOK_OK)
-    rc = g::encode_map_2d(&p.ops.fc1.map_b, a.fc1_weight, a.H, a.L1 * 2 * a.I, g::kBK, g::b_box_rows<Fc1Cfg>());
+    rc = g::encode_map_2d(&p.ops.fc1.map_b, a.fc1_weight, a.H, a.L1 * 2 * a.I, g::kBK, g::b_box_rows<Fc1Boxes>());
   if (rc == MOK_OK) rc = g::encode_map_2d(&p.ops.fc2.map_a, a.ring_h, a.I, a.ring_rows, g::kBK, kBlockRows);
   if (rc == MOK_OK)
-    rc = g::encode_map_2d(&p.ops.fc2.map_b, a.fc2_weight, a.I, a.L1 * a.H, g::kBK, g::b_box_rows<Fc2Cfg>());
+    rc = g::encode_map_2d(&p.ops.fc2.map_b, a.fc2_weight, a.I, a.L1 * a.H, g::kBK, g::b_box_rows<Fc2Boxes>());
   p.ops.fc1_2 = p.ops.fc1;  // A is shared (sizes set below); B is the second segment's, if any
   p.ops.fc2_2 = p.ops.fc2;
   if (rc == MOK_OK && a.fc1_weight2 != nullptr)
     rc = g::encode_map_2d(&p.ops.fc1_2.map_b, a.fc1_weight2, a.H, (a.L - a.L1) * 2 * a.I, g::kBK,
-                          g::b_box_rows<Fc1Cfg>());
+                          g::b_box_rows<Fc1Boxes>());
   if (rc == MOK_OK && a.fc2_weight2 != nullptr)
     rc = g::encode_map_2d(&p.ops.fc2_2.map_b, a.fc2_weight2, a.I, (a.L - a.L1) * a.H, g::kBK,
-                          g::b_box_rows<Fc2Cfg>());
+                          g::b_box_rows<Fc2Boxes>());
   p.ops.L1 = (int)a.L1;
   if (rc == MOK_OK) rc = g::encode_map_2d(&p.ops.fc1_a_half, a.ring_x, a.H, a.ring_rows, g::kBK, kBlockRows / 2);
   if (rc == MOK_OK) rc = g::encode_map_2d(&p.ops.fc2_a_half, a.ring_h, a.I, a.ring_rows, g::kBK, kBlockRows / 2);
@@ -460,20 +561,23 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.n2 = (int)(a.H / kFc2Cols);
   p.bulk_copies = bulk_copies_enabled() ? 1 : 0;
   p.push_helpers = env_flag("MOK_MEGAKERNEL_PUSH_HELPERS", true) ? 1 : 0;
+  const bool want_pairs = env_flag("MOK_MEGAKERNEL_PAIRS", a.pairs != 0);
 
-  // One CTA per SM, every CTA resident: the grid comes from the occupancy query, never from
-  // the work (a fixed share of the SMs when the caller asks for fewer).
-  int sms = 0, per_sm = 0;
-  MOK_RETURN_IF_CUDA_ERROR(g::sm_count(&sms));
-  MOK_RETURN_IF_CUDA_ERROR(ctas_per_sm(&per_sm));
-  if (per_sm < 1) return MOK_ERR_UNSUPPORTED;  // the CTA does not fit an SM of this device
-  int64_t grid = (int64_t)sms * per_sm;
-  if (a.num_ctas > 0 && a.num_ctas < grid) grid = a.num_ctas;
-  if (grid <= a.comm_ctas) return MOK_ERR_INVALID_ARGUMENT;  // no CTA left to compute
+  int64_t grid = 0;
+  int pairs = 0;
+  const int rc_shape = launch_shape(a.comm_ctas, a.num_ctas, want_pairs, &grid, &pairs);
+  if (rc_shape != MOK_OK) return rc_shape;
+  p.pairs = pairs;
 
   reset_kernel<<<1, 256, 0, stream>>>(a.counters, counter_words(slots), a.epoch_counter);
   MOK_RETURN_IF_LAUNCH_FAILED();
-  forward_kernel<<<(unsigned)grid, g::kThreads, kSmemBytes, stream>>>(p);
+  if (pairs) {
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = pair_launch_config(grid, stream, &attr);
+    MOK_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(&cfg, forward_kernel, p));
+  } else {
+    forward_kernel<<<(unsigned)grid, g::kThreads, kSmemBytes, stream>>>(p);
+  }
   MOK_RETURN_IF_LAUNCH_FAILED();
   return MOK_OK;
 }

@@ -106,6 +106,20 @@ def resolve_tunables(config: MoKConfig, shape: MoEShape, ep_size: int, num_sms: 
     return resolved
 
 
+PAIR_ROWS_PER_EXPERT = 2 * BLOCK_ROWS
+"""Pair mode (clusters of two CTAs sharing each weight tile, docs/megakernel.md) is asked for
+when the mean rows per local expert are at most this: the weight-bound regime (Kimi-K2 and
+DeepSeek-V3 at EP 2: ~170 and ~256 rows), where it measured 1.5-7% faster on two machines of
+three; with more rows per expert it measured 0.2-1.7% slower (docs/perf-notes.md, ninth
+session)."""
+
+
+def use_pairs(shape: MoEShape) -> bool:
+    """Whether the launch asks for pair mode: mean routed rows per local expert (tokens x top-k /
+    local experts) at most :data:`PAIR_ROWS_PER_EXPERT`."""
+    return shape.tokens * shape.topk <= PAIR_ROWS_PER_EXPERT * shape.experts_per_rank
+
+
 def ring_bytes(ring_rows: int, hidden: int, ffn_hidden: int) -> int:
     """Device memory of the ring (x / out rows, h rows, router weights), without the counters."""
     return ring_rows * (hidden + ffn_hidden) * 2 + ring_rows * 4
@@ -147,6 +161,7 @@ class _Call:
     num_ctas: int
     timeout_s: float
     cuda_call: cuda_backend._Call
+    pairs: bool             # ask for clusters of two CTAs (use_pairs)
 
 
 class _MegakernelMoE(torch.autograd.Function):
@@ -166,7 +181,8 @@ class _MegakernelMoE(torch.autograd.Function):
             trace = torch.zeros((mk_ops.trace_records(table.shape[0], H, I), len(mk_ops.TRACE_FIELDS)),
                                 dtype=torch.int64, device=x.device)
             _last_trace.update(records=trace, minibatch_rows=cfg.minibatch_rows, ring_rows=cfg.ring_rows,
-                               comm_ctas=cfg.comm_sms_forward, hidden=H, ffn_hidden=I)
+                               comm_ctas=cfg.comm_sms_forward, hidden=H, ffn_hidden=I, num_ctas=call.num_ctas,
+                               pairs=call.pairs)
         saved = (None, None, None)
         if training:  # the cuda backend's activations, written by the launch
             R, H, two_i = table.shape[0], fc1.shape[2], fc1.shape[1]
@@ -177,7 +193,7 @@ class _MegakernelMoE(torch.autograd.Function):
             ws.bases, ws.signal_bases, ws.layout.rows, ws.layout.scalars, ws.layout.slots, table, offsets, counts,
             topk_ids, fc1, fc2, ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, ws.rank,
             cfg.minibatch_rows, cfg.comm_sms_forward, call.num_ctas, int(call.timeout_s * 1e9), trace, *saved,
-            fc1_2, fc2_2)
+            fc1_2, fc2_2, pairs=call.pairs)
         ws.mirror_status()
         if training:
             ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, *saved, counts, fc1_2, fc2_2)
@@ -221,7 +237,7 @@ def megakernel_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_grou
                                    fused_swiglu=cuda_backend.fused_swiglu_apply(shape, BLOCK_ROWS))
     num_ctas = share if isinstance(ep_group, LocalEPRank) else 0
     call = _Call(ws=ws, ring=ring, config=resolved, num_ctas=num_ctas, timeout_s=float(config.timeout_s),
-                 cuda_call=cuda_call)
+                 cuda_call=cuda_call, pairs=use_pairs(shape))
     x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
     # Segments stay where they are when the backward's GEMMs can read them too; else one copy.
     fc1, fc2, fc1_2, fc2_2 = cuda_backend.weight_arguments(fc1_weight, fc2_weight, cuda_call)

@@ -48,7 +48,9 @@ def trace_records(table_rows: int, hidden: int, ffn_hidden: int) -> int:
     """Trace records that hold every item of a launch whose schedule table has ``table_rows``
     rows (the row capacity), plus one per CTA and one per first-pull part."""
     blocks = table_rows // BLOCK_ROWS
-    return blocks * (ffn_hidden // FC1_COLS + hidden // FC2_COLS + 2 + FIRST_PULL_PARTS) + MAX_CTAS
+    # Compute records: one per tile, in pair mode one per CTA of a pair tile (at most twice
+    # the tiles, when every minibatch ends on an odd block).
+    return blocks * (2 * (ffn_hidden // FC1_COLS + hidden // FC2_COLS) + 2 + FIRST_PULL_PARTS) + MAX_CTAS
 
 _i, _i64, _v = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
@@ -72,7 +74,7 @@ class MegakernelArgs(ctypes.Structure):
         ("ring_rows", _i64), ("minibatch_rows", _i64), ("comm_ctas", _i64), ("num_ctas", _i64),
         ("trace", _v), ("trace_capacity", _i64),
         ("save_x", _v), ("save_w", _v), ("save_gu", _v),
-        ("fc1_weight2", _v), ("fc2_weight2", _v), ("L1", _i64),
+        ("fc1_weight2", _v), ("fc2_weight2", _v), ("L1", _i64), ("pairs", _i64),
     ]
 
 
@@ -81,8 +83,9 @@ def _lib():
     return lib, {
         "args_bytes": lib.function("mok_megakernel_args_bytes", _i64, []),
         "counter_words": lib.function("mok_megakernel_counter_words", _i64, [_i]),
-        "plan_item": lib.function("mok_megakernel_plan_item", _i, [_i, _i, _i, _i, _i, _i, _i, _v]),
+        "plan_item": lib.function("mok_megakernel_plan_item", _i, [_i, _i, _i, _i, _i, _i, _i, _i, _v]),
         "pull_ctas": lib.function("mok_megakernel_pull_ctas", _i, [_i, _i]),
+        "launch_shape": lib.function("mok_megakernel_launch_shape", _i, [_i64, _i64, _i64, _v]),
         "forward": lib.function("mok_megakernel_forward", _i, [ctypes.POINTER(MegakernelArgs), _v]),
     }
 
@@ -96,9 +99,12 @@ def counter_words(ring_rows: int) -> int:
 QUEUES = {"compute": 0, "pull": 1, "push": 2, "first_pull": 3}
 
 
-def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int, n1: int, n2: int) -> Tuple[str, int, int, str, int, int]:
+def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int, n1: int, n2: int,
+              pairs: bool = False) -> Tuple[str, int, int, str, int, int]:
     """Item ``index`` of the ``queue`` ("compute", "pull", "push" or "first_pull") of the
-    kernel's work plan.
+    kernel's work plan; ``pairs``: the plan of a launch in clusters of two, whose compute
+    items are pair tiles (the row block returned is the pair's first; the second is the next
+    block when it lies in the same minibatch, see :func:`pair_partner`).
 
     Returns (kind, row block, column block (the part, for "pull_part"), counter waited on, its
     slot, target value; a target <= 0 means no wait). Raises :class:`MegakernelArgumentError`
@@ -106,13 +112,35 @@ def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int,
     """
     lib, fns = _lib()
     out = (ctypes.c_int32 * 6)()
-    code = fns["plan_item"](QUEUES[queue], index, n_blocks, mb_blocks, slots, n1, n2, out)
+    code = fns["plan_item"](QUEUES[queue], index, n_blocks, mb_blocks, slots, n1, n2, 1 if pairs else 0, out)
     if code != 0:
         raise MegakernelArgumentError(f"plan_item({queue!r}, {index}) for n_blocks={n_blocks}, "
-                                      f"mb_blocks={mb_blocks}, slots={slots}, n1={n1}, n2={n2}: "
+                                      f"mb_blocks={mb_blocks}, slots={slots}, n1={n1}, n2={n2}, pairs={pairs}: "
                                       f"{lib._dll.mok_error_string(code).decode()}")
     kind, block, col, counter, slot, target = list(out)
     return ITEM_KINDS[kind], block, col, COUNTERS[counter], slot, target
+
+
+def pair_partner(block: int, n_blocks: int, mb_blocks: int) -> Optional[int]:
+    """The second row block of the pair tile whose first block is ``block`` (pair mode), or
+    None when ``block`` is the odd last block of its minibatch (mok/megakernel/plan.cuh)."""
+    end = min((block // mb_blocks + 1) * mb_blocks, n_blocks)
+    return block + 1 if block + 1 < end else None
+
+
+def launch_shape(comm_ctas: int, num_ctas: int = 0, pairs: bool = True) -> Tuple[int, bool]:
+    """(CTAs, pair mode) of the launch the forward makes on the current CUDA device for
+    ``comm_ctas`` comm CTAs, ``num_ctas`` CTAs (0: one per SM) and ``pairs`` asked for, with the
+    environment as it is now (``MOK_MEGAKERNEL_PAIRS=0`` / ``1`` overrides ``pairs``). Pair mode
+    runs clusters of two CTAs that share each weight tile (docs/megakernel.md); it needs an even
+    grid and comm CTA count."""
+    lib, fns = _lib()
+    out = (ctypes.c_int64 * 2)()
+    code = fns["launch_shape"](comm_ctas, num_ctas, 1 if pairs else 0, out)
+    if code != 0:
+        raise MegakernelArgumentError(f"launch_shape(comm_ctas={comm_ctas}, num_ctas={num_ctas}): "
+                                      f"{lib._dll.mok_error_string(code).decode()}")
+    return int(out[0]), bool(out[1])
 
 
 def pull_ctas(comm_ctas: int, training_copy: bool) -> int:
@@ -240,7 +268,8 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
                        comm_ctas: int, num_ctas: int, timeout_ns: int,
                        trace: Optional[torch.Tensor], save_x: Optional[torch.Tensor],
                        save_w: Optional[torch.Tensor], save_gu: Optional[torch.Tensor],
-                       fc1_weight2: Optional[torch.Tensor], fc2_weight2: Optional[torch.Tensor]) -> torch.Tensor:
+                       fc1_weight2: Optional[torch.Tensor], fc2_weight2: Optional[torch.Tensor],
+                       pairs: bool = False) -> torch.Tensor:
     """One MoE layer forward in one persistent launch (after the schedule kernel).
 
     Args:
@@ -267,6 +296,8 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
         fc1_weight2, fc2_weight2: None, or bf16 [L2, 2I, H] and [L2, H, I]: local experts
             L1 .. L1 + L2 - 1 (a shared expert kept in its own parameters, no copy). The schedule
             then covers L = L1 + L2 experts.
+        pairs: run in clusters of two CTAs that share each weight tile when the grid allows
+            (:func:`launch_shape`); the results are bitwise the same either way.
 
     Returns:
         y: bf16 [T, H], the weighted sum over the top-k slots (NaN if a status flag is set).
@@ -297,7 +328,7 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
         save_x=save_x.data_ptr() if save_x is not None else 0, save_w=save_w.data_ptr() if save_w is not None else 0,
         save_gu=save_gu.data_ptr() if save_gu is not None else 0,
         fc1_weight2=fc1_weight2.data_ptr() if fc1_weight2 is not None else 0,
-        fc2_weight2=fc2_weight2.data_ptr() if fc2_weight2 is not None else 0, L1=L1)
+        fc2_weight2=fc2_weight2.data_ptr() if fc2_weight2 is not None else 0, L1=L1, pairs=1 if pairs else 0)
     lib, fns = _lib()
     lib.check(fns["forward"](ctypes.byref(args), stream_of(y)), "mok_megakernel_forward")
     return y

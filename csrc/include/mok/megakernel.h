@@ -59,6 +59,9 @@ typedef struct MokMegakernelArgs {
   const void* fc1_weight2;
   const void* fc2_weight2;
   int64_t L1;
+  // 1: run in clusters of two CTAs that share each weight tile (pair mode) when the grid allows
+  // (even grid and comm_ctas); 0: single CTAs. MOK_MEGAKERNEL_PAIRS=0/1 overrides it.
+  int64_t pairs;
 } MokMegakernelArgs;
 
 MOK_API int64_t mok_megakernel_args_bytes(void);
@@ -72,9 +75,18 @@ MOK_API int64_t mok_megakernel_counter_words(int ring_slots);
 // 3 pull, 4 push, 6 part of a first block's pull: column block = the part), row block, column
 // block, the counter it waits on (0 x_ready, 1 h_ready,
 // 2 out_ready, 3 slot_free), that counter's slot, and the value to wait for (<= 0: none).
+// pairs = 1: the plan of a launch in clusters of two (compute items are pair tiles: out[1] is
+// the pair's first block, the second is out[1] + 1 when it lies in the same minibatch; the
+// wait is the first block's, the second CTA waits for its own block the same way).
 // Returns MOK_OK, or MOK_ERR_INVALID_ARGUMENT for sizes or an index out of range.
 MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_blocks, int slots,
-                                     int n1, int n2, int32_t* out);
+                                     int n1, int n2, int pairs, int32_t* out);
+
+// The grid mok_megakernel_forward launches on the current device for these comm_ctas, num_ctas
+// (0: every SM) and pairs, with MOK_MEGAKERNEL_PAIRS as it is now: out[0] = CTAs, out[1] = 1
+// when they run in clusters of two (pair mode), else 0. Queries the device; returns MOK_OK, a
+// cudaError_t, MOK_ERR_INVALID_ARGUMENT or MOK_ERR_UNSUPPORTED as the forward would.
+MOK_API int mok_megakernel_launch_shape(int64_t comm_ctas, int64_t num_ctas, int64_t pairs, int64_t* out);
 
 // How many of `comm_ctas` comm CTAs pull (the rest push), with or without the training copy
 // (a pull then writes every row twice): in proportion to the bytes each side moves, at least

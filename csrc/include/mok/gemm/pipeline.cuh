@@ -14,6 +14,9 @@
 namespace mok {
 namespace gemm {
 
+// SmemRing's peers: as many as the launch's cluster has CTAs.
+constexpr int kPeersOfLaunch = 0;
+
 struct PipeState {
   int stage = 0;
   uint32_t phase = 0;
@@ -41,8 +44,12 @@ struct SmemRing {
   uint64_t* staged_empty;  // ... and the offload warps are done reading it
   int32_t* table0;
   int32_t* table1;
+  // CTAs whose consumers release every stage: Cfg::kCluster, or kPeersOfLaunch: the CTAs of
+  // the launch's cluster, read at each use (%cluster_nctarank; the megakernel decides at launch
+  // whether it runs in clusters of two, and a value kept in a register cost its epilogue a spill).
+  int peers;
 
-  __device__ __forceinline__ explicit SmemRing(uint8_t* raw) {
+  __device__ __forceinline__ explicit SmemRing(uint8_t* raw, int peers_ = Cfg::kCluster) : peers(peers_) {
     const uint32_t a = smem_addr(raw);
     base = raw + ((kSmemAlign - (a % kSmemAlign)) % kSmemAlign);
     full = reinterpret_cast<uint64_t*>(base + kStages * kStageBytes +
@@ -66,7 +73,7 @@ struct SmemRing {
   __device__ __forceinline__ void init_barriers() const {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumerWarps * Cfg::kCluster);
+      mbar_init(&empty[s], kConsumerWarps * (peers == kPeersOfLaunch ? cluster_size() : peers));
     }
     mbar_init(staged_full, kConsumerWarps);
     mbar_init(staged_empty, kOffloadWarps);
@@ -85,11 +92,11 @@ struct SmemRing {
   }
   __device__ __forceinline__ void release(int stage) const {
     if (threadIdx.x % 32 == 0) {
-      if constexpr (Cfg::kCluster == 1) {
+      const int n = peers == kPeersOfLaunch ? cluster_size() : peers;
+      if (n == 1) {
         mbar_arrive(&empty[stage]);
       } else {
-#pragma unroll
-        for (int c = 0; c < Cfg::kCluster; ++c) mbar_arrive_cluster(&empty[stage], c);
+        for (int c = 0; c < n; ++c) mbar_arrive_cluster(&empty[stage], c);
       }
     }
   }

@@ -85,6 +85,13 @@ __device__ __forceinline__ uint32_t cluster_rank() {
   return r;
 }
 
+// CTAs in this CTA's cluster (1 for a launch without clusters).
+__device__ __forceinline__ int cluster_size() {
+  uint32_t n;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  return (int)n;
+}
+
 // All threads of all CTAs of the cluster; orders shared-memory writes (barrier init) before
 // the peers' later accesses.
 __device__ __forceinline__ void cluster_sync() {
@@ -105,6 +112,60 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta)
       "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
       "}\n" ::"r"(smem_addr(bar)),
       "r"(cta)
+      : "memory");
+}
+
+// Pair hand-over between the producer threads of a cluster (the megakernel's pair mode).
+// Stores v into the 32-bit word at the same shared-memory offset as `word` in CTA `cta`.
+__device__ __forceinline__ void st_shared_cluster_u32(const void* word, uint32_t cta, uint32_t v) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "st.shared::cluster.u32 [remote], %2;\n"
+      "}\n" ::"r"(smem_addr(word)),
+      "r"(cta), "r"(v)
+      : "memory");
+}
+
+// Loads the 32-bit word at the same shared-memory offset as `word` in CTA `cta`.
+__device__ __forceinline__ uint32_t ld_shared_cluster_u32(const void* word, uint32_t cta) {
+  uint32_t v;
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %1, %2;\n"
+      "ld.shared::cluster.u32 %0, [remote];\n"
+      "}\n"
+      : "=r"(v)
+      : "r"(smem_addr(word)), "r"(cta)
+      : "memory");
+  return v;
+}
+
+// Arrival on CTA `cta`'s mbarrier at `bar`'s offset with release at cluster scope: this
+// thread's earlier shared::cluster accesses (the hand-over word) happen before the arrival.
+__device__ __forceinline__ void mbar_arrive_release_cluster(uint64_t* bar, uint32_t cta) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(cta)
+      : "memory");
+}
+
+// mbar_wait with acquire at cluster scope (pairs with mbar_arrive_release_cluster).
+__device__ __forceinline__ void mbar_wait_acquire_cluster(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "MOK_MBAR_WAIT_CLUSTER:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra MOK_MBAR_WAIT_CLUSTER;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
       : "memory");
 }
 

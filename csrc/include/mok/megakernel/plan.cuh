@@ -24,6 +24,12 @@
 // for compute: the pulls run ahead as far as the ring allows.
 // Within a minibatch, GEMM tiles run in groups of up to 8 row blocks, column block by column
 // block inside a group (the CTAs that run together share the weight tile in L2).
+// Pair mode (the kernel launched in clusters of two CTAs): a compute item is a pair tile, the
+// same column block of two consecutive blocks of a minibatch (first + 2j and first + 2j + 1),
+// one per CTA of the cluster; both CTAs take it together. When the two blocks belong to one
+// expert, each CTA loads half of the weight tile and multicasts it to both (one L2 read of the
+// weights per pair). Every wait and counter stays per block: the CTA of rank r waits for and
+// bumps block + r's counters, exactly as a single CTA would.
 #pragma once
 
 #include <cstdint>
@@ -74,6 +80,7 @@ struct Plan {
   int n1;         // fc1 column blocks: I / kFc1Cols
   int n2;         // fc2 column blocks: H / kFc2Cols
   int first_minibatches = kFirstPullMinibatches;  // whose blocks are pulled in parts (0: none)
+  int pairs = 0;  // 1: compute items are pair tiles, for CTA clusters of two (below)
 };
 
 struct Item {
@@ -91,7 +98,19 @@ struct Wait {
 };
 
 MOK_HD int num_minibatches(const Plan& p) { return (p.n_blocks + p.mb_blocks - 1) / p.mb_blocks; }
-MOK_HD int compute_items(const Plan& p) { return p.n_blocks * (p.n1 + p.n2); }
+// Tile units of a minibatch of nb blocks: its blocks, or in pair mode its pairs of blocks
+// (first + 2j, first + 2j + 1; an odd last block is a pair of its own).
+MOK_HD int units_of(const Plan& p, int nb) { return p.pairs ? (nb + 1) / 2 : nb; }
+MOK_HD int last_minibatch_blocks(const Plan& p) {
+  return p.n_blocks - (num_minibatches(p) - 1) * p.mb_blocks;
+}
+MOK_HD int compute_items(const Plan& p) {
+  if (p.n_blocks == 0) return 0;
+  const int units = (num_minibatches(p) - 1) * units_of(p, p.mb_blocks) + units_of(p, last_minibatch_blocks(p));
+  return units * (p.n1 + p.n2);
+}
+// Trace records of compute items: one per item, in pair mode one per CTA of the pair.
+MOK_HD int compute_records(const Plan& p) { return p.pairs ? 2 * compute_items(p) : compute_items(p); }
 // Record slots of the trace for comm items: one per block for pulls and for pushes (the first
 // blocks' pull records stay empty; their parts have records after the CTAs', trace.cuh).
 MOK_HD int comm_items(const Plan& p) { return 2 * p.n_blocks; }
@@ -123,28 +142,39 @@ MOK_HD int pull_ctas(int comm_ctas, bool training_copy) {
   return n < 1 ? 1 : n;
 }
 
-// Item `idx` of the tiles of minibatch m with `cols` column blocks (cols == 1: the blocks in
-// order).
+// Item `idx` of the tiles of minibatch m with `cols` column blocks (cols == 1: the units in
+// order). Groups of kGroupBlocks blocks (kGroupBlocks / 2 pairs), column block by column
+// block inside a group. In pair mode the item's block is the pair's first block.
 MOK_HD Item tile_in_minibatch(const Plan& p, int32_t kind, int m, int cols, int idx) {
   const int first = m * p.mb_blocks;
   const int nb = (p.n_blocks - first) < p.mb_blocks ? (p.n_blocks - first) : p.mb_blocks;
-  const int group = idx / (kGroupBlocks * cols);
-  const int in_group = idx - group * kGroupBlocks * cols;
-  const int left = nb - group * kGroupBlocks;
-  const int rows_in_group = left < kGroupBlocks ? left : kGroupBlocks;
+  const int nu = units_of(p, nb);
+  const int group_units = p.pairs ? kGroupBlocks / 2 : kGroupBlocks;
+  const int group = idx / (group_units * cols);
+  const int in_group = idx - group * group_units * cols;
+  const int left = nu - group * group_units;
+  const int units_in_group = left < group_units ? left : group_units;
   Item it;
   it.kind = kind;
-  it.col = in_group / rows_in_group;
-  it.block = first + group * kGroupBlocks + in_group % rows_in_group;
+  it.col = in_group / units_in_group;
+  it.block = first + (group * group_units + in_group % units_in_group) * (p.pairs ? 2 : 1);
   return it;
 }
 
+// Pair mode: the second block of the pair whose first block is `block`, or -1 when the pair is
+// the odd last block of its minibatch.
+MOK_HD int pair_partner(const Plan& p, int block) {
+  const int end_of_mb = (block / p.mb_blocks + 1) * p.mb_blocks;
+  const int end = end_of_mb < p.n_blocks ? end_of_mb : p.n_blocks;
+  return block + 1 < end ? block + 1 : -1;
+}
+
 // Position `i` of a queue laid out as A(0), A(1), B(0), A(2), B(1), ..., A(n-1), B(n-2), B(n-1)
-// where A(m) has blocks(m) * ca items and B(m) blocks(m) * cb items.
+// where A(m) has units(m) * ca items and B(m) units(m) * cb items.
 MOK_HD Item interleaved_item(const Plan& p, int i, int32_t kind_a, int ca, int32_t kind_b, int cb) {
   const int n = num_minibatches(p);
-  const int B = p.mb_blocks;
-  const int last = p.n_blocks - (n - 1) * B;  // blocks of the last minibatch
+  const int B = units_of(p, p.mb_blocks);           // units of a full minibatch
+  const int last = units_of(p, last_minibatch_blocks(p));  // units of the last minibatch
   if (n == 1) {
     if (i < last * ca) return tile_in_minibatch(p, kind_a, 0, ca, i);
     return tile_in_minibatch(p, kind_b, 0, cb, i - last * ca);

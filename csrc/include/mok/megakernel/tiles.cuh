@@ -34,6 +34,10 @@ namespace mega {
 
 using Fc1Cfg = gemm::RowCfg<kBlockRows, 256, gemm::BLayout::kSwiGLU>;
 using Fc2Cfg = gemm::RowCfg<kBlockRows, 256, gemm::BLayout::kKMajor>;
+// The weight boxes of a stage, in both modes: fc1's gate and up boxes; fc2's 256 weight rows as
+// two boxes of 128 (the clustered grouped GEMM's geometry), so each CTA of a pair can load one.
+using Fc1Boxes = Fc1Cfg;
+using Fc2Boxes = gemm::RowCfg<kBlockRows, 256, gemm::BLayout::kKMajor, false, true>;
 static_assert(Fc1Cfg::kStages == Fc2Cfg::kStages && Fc1Cfg::kStageBytes == Fc2Cfg::kStageBytes &&
                   Fc1Cfg::kABytes == Fc2Cfg::kABytes && Fc1Cfg::kStagingBytes == Fc2Cfg::kStagingBytes &&
                   Fc1Cfg::kSmemBytes == Fc2Cfg::kSmemBytes,
@@ -49,7 +53,7 @@ struct StageRecord {
   int32_t col;      // column block
   int32_t row_end;  // ring rows >= row_end are padding
   int32_t index;    // position in the compute queue (the trace record)
-  int32_t block;    // row block (its layout rows: block * 128 ..)
+  int32_t block;    // row block (its layout rows: block * 128 ..); -1: the pair's missing block
   int32_t pad;
 };
 
@@ -82,16 +86,25 @@ __device__ __forceinline__ int expert_of_row(const int32_t* offs, int L, int row
   return lo;
 }
 
+// How a tile's stages are filled in pair mode (plan.cuh). kOwnB: the CTA loads its A rows and
+// the whole weight tile (always, outside pair mode); kSharedB: its A rows and weight box
+// `rank`, multicast to both CTAs of the cluster, whose other box the peer multicasts; kSkip:
+// nothing (the pair has no second block), the stages only keep the two CTAs' rings in step.
+enum TileLoad : int { kOwnB = 0, kSharedB = 1, kSkip = 2 };
+
 // half_a: the map of A with a 64-row box, when the tile's rows 64.. are all padding (their
 // consumer warpgroup only passes the stages on, so the lower half of the A buffer is not read);
 // null otherwise. The 128-byte swizzle repeats every 8 rows, so the first 64 rows land where a
-// 128-row box puts them.
-template <class Cfg>
+// 128-row box puts them. Boxes: the weight tile's two boxes of 128 rows (fc1: gate and up
+// rows; fc2: the two halves of its 256 rows), the geometry of the clustered grouped GEMMs.
+template <class Cfg, class Boxes>
 __device__ __forceinline__ void load_tile(const gemm::RowOperands& op, const CUtensorMap* half_a,
                                           const gemm::RowTile& t, const StageRecord& rec,
                                           const gemm::SmemRing<Cfg>& ring, gemm::PipeState& st,
-                                          StageRecord* records) {
+                                          StageRecord* records, int how, int rank) {
   static_assert(Cfg::BM == 128 && Cfg::kABytes % 2 == 0, "two 64-row halves of A");
+  static_assert(gemm::b_boxes<Boxes>() == 2 && Boxes::kStageBytes == Cfg::kStageBytes,
+                "two weight boxes per stage, one per CTA of a pair");
   const int nk = op.K / gemm::kBK;
   const CUtensorMap* map_a = half_a != nullptr ? half_a : &op.map_a;
   const uint32_t bytes = half_a != nullptr ? Cfg::kStageBytes - Cfg::kABytes / 2 : Cfg::kStageBytes;
@@ -99,15 +112,24 @@ __device__ __forceinline__ void load_tile(const gemm::RowOperands& op, const CUt
     gemm::mbar_wait(&ring.empty[st.stage], st.phase ^ 1u);
     if (kb == 0) records[st.stage] = rec;  // published by the arrive below (release, CTA scope)
     uint64_t* bar = &ring.full[st.stage];
-    gemm::mbar_arrive_expect_tx(bar, bytes);
-    const int k0 = kb * gemm::kBK;
-    gemm::tma_load_2d(ring.a(st.stage), map_a, bar, k0, t.row0);
+    if (how == kSkip) {
+      gemm::mbar_arrive(bar);  // no bytes: the phase completes on this arrival
+    } else {
+      // kSharedB: this CTA's box and the peer's both count on this barrier (A + the whole tile).
+      gemm::mbar_arrive_expect_tx(bar, bytes);
+      const int k0 = kb * gemm::kBK;
+      gemm::tma_load_2d(ring.a(st.stage), map_a, bar, k0, t.row0);
 #pragma unroll
-    for (int j = 0; j < gemm::b_boxes<Cfg>(); ++j) {
-      uint8_t* dst;
-      int c0, c1;
-      gemm::b_box<Cfg>(op, t, k0, j, ring.b(st.stage), dst, c0, c1);
-      gemm::tma_load_2d(dst, &op.map_b, bar, c0, c1);
+      for (int j = 0; j < 2; ++j) {
+        if (how == kSharedB && j != rank) continue;
+        uint8_t* dst;
+        int c0, c1;
+        gemm::b_box<Boxes>(op, t, k0, j, ring.b(st.stage), dst, c0, c1);
+        if (how == kSharedB)
+          gemm::tma_load_2d_multicast(dst, &op.map_b, bar, c0, c1, 0x3u);
+        else
+          gemm::tma_load_2d(dst, &op.map_b, bar, c0, c1);
+      }
     }
     st.template advance<Cfg::kStages>();
   }
@@ -120,11 +142,43 @@ struct ComputeContext {
   Trace trace;
 };
 
+// Pair mode: how the producer threads of a cluster share the compute queue. The leader (rank 0)
+// takes each position with atomicAdd and hands it to the follower (rank 1) through `ticket`, a
+// word of the follower's shared memory; `mail` is a barrier of one arrival in each CTA: in the
+// follower "a position is in `ticket`", in the leader "the follower has read it". Both then run
+// the same pair tile, so their stage rings stay in step.
+struct PairLink {
+  int rank;         // -1: not in pair mode
+  uint64_t* mail;
+  int32_t* ticket;
+};
+
+// The compute-queue position this producer works on next. In pair mode the leader takes it
+// and hands it over; after one of its waits timed out (`end`) it hands over the queue's end.
+__device__ __forceinline__ int next_position(const ComputeContext& cx, const PairLink& link, int total, bool end,
+                                             uint32_t& mail_phase) {
+  if (link.rank < 0) return atomicAdd(&cx.counters[kComputeNext], 1);
+  int i;
+  if (link.rank == 0) {
+    i = end ? total : atomicAdd(&cx.counters[kComputeNext], 1);
+    gemm::mbar_wait(link.mail, mail_phase ^ 1u);  // the follower has read the previous position
+    gemm::st_shared_cluster_u32(link.ticket, 1, (uint32_t)i);
+    gemm::mbar_arrive_release_cluster(link.mail, 1);
+  } else {
+    gemm::mbar_wait_acquire_cluster(link.mail, mail_phase);
+    i = *reinterpret_cast<volatile int32_t*>(link.ticket);
+    gemm::mbar_arrive_release_cluster(link.mail, 0);
+  }
+  mail_phase ^= 1u;
+  return i;
+}
+
 // The producer thread. offs / cnts: the CTA's shared copies of offsets[0..L] and counts.
 __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Plan& plan, const ComputeContext& cx,
                                               const int32_t* offs, const int32_t* cnts,
                                               const gemm::SmemRing<Fc1Cfg>& ring1,
-                                              const gemm::SmemRing<Fc2Cfg>& ring2, StageRecord* records) {
+                                              const gemm::SmemRing<Fc2Cfg>& ring2, StageRecord* records,
+                                              const PairLink& link) {
   gemm::tma_prefetch_descriptor(&ops.fc1.map_a);
   gemm::tma_prefetch_descriptor(&ops.fc1.map_b);
   gemm::tma_prefetch_descriptor(&ops.fc2.map_a);
@@ -137,22 +191,45 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
     gemm::tma_prefetch_descriptor(&ops.fc1_a_half);
     gemm::tma_prefetch_descriptor(&ops.fc2_a_half);
   }
+  const bool paired = link.rank >= 0;
   const int total = compute_items(plan);
   gemm::PipeState st;
+  uint32_t mail_phase = 0;
+  bool timed_out = false;
   for (;;) {
-    const int i = atomicAdd(&cx.counters[kComputeNext], 1);
+    const int i = next_position(cx, link, total, timed_out, mail_phase);
     Item it;
     it.kind = kEnd;
+    int how = kOwnB;
+    const int64_t record = paired ? 2 * (int64_t)i + link.rank : i;
     if (i < total) {
-      cx.trace.stamp(i, kTrTake);
       it = compute_item(plan, i);
-      const Wait w = wait_of(plan, it);
-      const int site = it.kind == kFc1 ? MOK_SITE_MK_FC1_WAITS_PULL : MOK_SITE_MK_FC2_WAITS_FC1;
-      if (!wait_counter(cx.counters + counter_index(w.counter, w.slot, plan.slots), w.target, cx.deadline, site))
-        it.kind = kEnd;
-      if (cx.trace.on()) {
-        cx.trace.stamp(i, kTrReady);
-        cx.trace.item(i, it.kind, it.block, it.col);
+      if (paired) {
+        // This CTA's block of the pair; the weights are shared when both blocks are one expert's.
+        const int second = pair_partner(plan, it.block);
+        if (second >= 0 && expert_of_row(offs, cx.L, it.block * kBlockRows) ==
+                               expert_of_row(offs, cx.L, second * kBlockRows))
+          how = kSharedB;
+        if (link.rank == 1) {
+          if (second < 0) how = kSkip;
+          else it.block = second;
+        }
+      }
+      if (how != kSkip) {
+        cx.trace.stamp(record, kTrTake);
+        const Wait w = wait_of(plan, it);
+        const int site = it.kind == kFc1 ? MOK_SITE_MK_FC1_WAITS_PULL : MOK_SITE_MK_FC2_WAITS_FC1;
+        if (!wait_counter(cx.counters + counter_index(w.counter, w.slot, plan.slots), w.target, cx.deadline, site)) {
+          // A single CTA stops here. A CTA of a pair still fills the tile's stages (with rows
+          // that may not be in: the launch has failed, its outputs are not used), since the
+          // peer's consumers wait for the weight box it multicasts; the leader then ends both.
+          if (!paired) it.kind = kEnd;
+          timed_out = true;
+        }
+        if (cx.trace.on()) {
+          cx.trace.stamp(record, kTrReady);
+          cx.trace.item(record, it.kind, it.block, it.col);
+        }
       }
     }
     if (it.kind == kEnd) {
@@ -161,31 +238,42 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
       gemm::mbar_arrive(&ring1.full[st.stage]);  // no bytes: the phase completes on this arrival
       return;
     }
-    // The rows just acquired were written with generic stores; order the TMA reads after them.
-    fence_proxy_async_global();
-    const int slot = it.block % plan.slots;
-    const int row = it.block * kBlockRows;
-    const int e = expert_of_row(offs, cx.L, row);
-    int real = offs[e] + cnts[e] - row;
-    real = real < 0 ? 0 : (real > kBlockRows ? kBlockRows : real);
     StageRecord rec;
     rec.kind = it.kind;
-    rec.expert = e;
-    rec.row0 = slot * kBlockRows;
     rec.col = it.col;
-    rec.row_end = rec.row0 + real;
-    rec.index = i;
-    rec.block = it.block;
-    // The tile's expert indexes its weight segment.
-    const bool second = e >= ops.L1;
-    const gemm::RowTile t{second ? e - ops.L1 : e, rec.row0, it.col, rec.row_end, true};
-    const bool half = ops.half_a && real <= kBlockRows / 2;
+    rec.index = (int32_t)record;
+    gemm::RowTile t{0, 0, it.col, 0, true};
+    const CUtensorMap* half_a = nullptr;
+    bool second_segment = false;
+    if (how == kSkip) {
+      rec.expert = 0;
+      rec.row0 = 0;
+      rec.row_end = 0;
+      rec.block = -1;
+    } else {
+      // The rows just acquired were written with generic stores; order the TMA reads after them.
+      fence_proxy_async_global();
+      const int slot = it.block % plan.slots;
+      const int row = it.block * kBlockRows;
+      const int e = expert_of_row(offs, cx.L, row);
+      int real = offs[e] + cnts[e] - row;
+      real = real < 0 ? 0 : (real > kBlockRows ? kBlockRows : real);
+      rec.expert = e;
+      rec.row0 = slot * kBlockRows;
+      rec.row_end = rec.row0 + real;
+      rec.block = it.block;
+      // The tile's expert indexes its weight segment.
+      second_segment = e >= ops.L1;
+      t = gemm::RowTile{second_segment ? e - ops.L1 : e, rec.row0, it.col, rec.row_end, true};
+      if (ops.half_a && real <= kBlockRows / 2) half_a = it.kind == kFc1 ? &ops.fc1_a_half : &ops.fc2_a_half;
+    }
+    const int rank = paired ? link.rank : 0;
     if (it.kind == kFc1)
-      load_tile<Fc1Cfg>(second ? ops.fc1_2 : ops.fc1, half ? &ops.fc1_a_half : nullptr, t, rec, ring1, st,
-                        records);
+      load_tile<Fc1Cfg, Fc1Boxes>(second_segment ? ops.fc1_2 : ops.fc1, half_a, t, rec, ring1, st, records, how,
+                                  rank);
     else
-      load_tile<Fc2Cfg>(second ? ops.fc2_2 : ops.fc2, half ? &ops.fc2_a_half : nullptr, t, rec, ring2, st,
-                        records);
+      load_tile<Fc2Cfg, Fc2Boxes>(second_segment ? ops.fc2_2 : ops.fc2, half_a, t, rec, ring2, st, records, how,
+                                  rank);
   }
 }
 
@@ -230,6 +318,11 @@ __device__ __forceinline__ void consume_tiles(const TileOperands& ops, const Pla
     const gemm::RowTile t{vr.expert, vr.row0, vr.col, vr.row_end, true};
     const int record = vr.index;
     const int block = vr.block;
+    if (block < 0) {  // pair mode: the pair has no second block; keep the ring in step
+      if (kind == kFc1) pass_stages(ops.fc1.K / gemm::kBK, ring1, st);
+      else pass_stages(ops.fc2.K / gemm::kBK, ring2, st);
+      continue;
+    }
     const bool stamps = cx.trace.on() && threadIdx.x % 128 == 0 && cw == 0;
     if (stamps) cx.trace.stamp(record, kTrStart);
     const int slot = t.row0 / kBlockRows;

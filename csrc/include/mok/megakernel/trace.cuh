@@ -1,10 +1,10 @@
 // Optional timeline of the forward megakernel (MokMegakernelArgs::trace; null: off). One
 // record of kTraceWords int64 per work item and one per CTA, written with %globaltimer
 // readings by the thread that takes, waits for, starts and finishes the item:
-//   compute item i        -> record i
-//   pull / push of block b -> record compute_items + b / compute_items + n_blocks + b
-//   CTA c (its whole run)  -> record compute_items + comm_items + c
-//   first-pull part i      -> record compute_items + comm_items + gridDim.x + i
+//   compute item i        -> record i (pair mode: 2 i + the CTA's rank in its cluster)
+//   pull / push of block b -> record C + b / C + n_blocks + b, C = compute_records
+//   CTA c (its whole run)  -> record C + comm_items + c
+//   first-pull part i      -> record C + comm_items + gridDim.x + i
 // Fields: take (taken from its queue), ready (its input acquired), start (the consumers begin
 // its MMAs; = ready for comm items), done (its counter released), meta (kind | block << 8 |
 // col << 40), cta. CTA records: take = start of the CTA, ready = its queue ran empty, start =
