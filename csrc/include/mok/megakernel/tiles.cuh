@@ -4,6 +4,10 @@
 // consumer warpgroups run the same tiles with mma_row_tile and the grouped GEMM epilogues,
 // then release the tile's arrival on its slot counter.
 //
+// In pair mode (plan.cuh) the launch runs in clusters of two: both CTAs' producers walk the
+// same pair tiles (PairLink), each loads its own block's rows and one of the two weight boxes
+// of a stage, multicast to both CTAs, and every stage is released by the consumers of both.
+//
 // The producer hands each tile to the consumers through a small per-stage record written
 // before the stage's first `full` arrival (mbarrier arrive: release; try_wait: acquire, both
 // at CTA scope), so the consumers learn the tile from the pipeline itself. The queue's end
