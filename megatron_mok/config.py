@@ -58,6 +58,14 @@ class MoKConfig:
     A multiple of ``minibatch_rows`` and at least two minibatches, so one fills while the
     other is computed. Bounds the megakernel's memory whatever the routing."""
 
+    megakernel_pairs: Optional[bool] = None
+    """Megakernel only: run the launch in clusters of two CTAs that take pairs of row blocks
+    and share each weight tile (pair mode, docs/megakernel.md). ``None``: when the mean routed
+    rows per local expert are at most 256 (the weight-bound regime, where it measured faster;
+    decided per call from the shape, so :meth:`resolve` leaves it ``None``); ``True`` /
+    ``False``: always / never. The launch runs single CTAs whenever the grid or the comm-SM
+    count is odd. Results are bitwise the same either way."""
+
     tile_rows: int = 128
     """Height of a GEMM row block; each expert's segment of the schedule is padded to it.
     A power of two up to 256; the GPU backends take 64 or 128."""
@@ -82,6 +90,11 @@ class MoKConfig:
         _check_optional_int(self, "ring_rows", minimum=1)
         _check_optional_int(self, "max_tokens_per_rank", minimum=1)
         _check_optional_int(self, "num_experts", minimum=1)
+        if self.megakernel_pairs is not None and not isinstance(self.megakernel_pairs, bool):
+            raise MoKConfigError(
+                f"MoKConfig.megakernel_pairs={self.megakernel_pairs!r} must be None (chosen from the "
+                f"shape), True or False"
+            )
         t = self.tile_rows
         if isinstance(t, bool) or not isinstance(t, int) or t < 1 or t > MAX_TILE_ROWS or t & (t - 1):
             raise MoKConfigError(
@@ -146,11 +159,14 @@ class MoKConfig:
 
         Heuristic (documented in docs/architecture.md):
 
-        * comm SMs: 12 (6 pulling, 6 pushing), at most a quarter of the SMs. Measured on two
-          H200s (docs/perf-notes.md): a comm SM moving rows with TMA bulk copies reads ~35-40
-          GB/s of rows, 6 + 6 keep the pulls ahead of the GEMMs (compute SMs 98% busy), and
-          fewer starve them; the same rows move at P = 1 (local copies), so the default does
-          not depend on P.
+        * comm SMs: :data:`COMM_SMS_DEFAULT` (10), at most a quarter of the SMs, split into pull
+          and push CTAs by the bytes each side moves. Measured on two H200s
+          (docs/perf-notes.md): a comm SM moving rows with TMA bulk copies reads ~35-40 GB/s
+          of rows; with the split by bytes 10 keep the pulls ahead of the GEMMs and 8 starve
+          them at 6 experts per GPU; the same rows move at P = 1 (local copies), so the
+          default does not depend on P.
+        * ``megakernel_pairs`` stays as given: ``None`` is decided per call from the routed
+          rows per expert (``megakernel_backend.use_pairs``).
         * minibatch: the smallest multiple of ``tile_rows`` whose fc1 (N = 2 * ffn_hidden) and
           fc2 (N = hidden) tile grids, in tiles of ``tile_rows`` x 256, each give every compute
           SM at least two waves.

@@ -4,6 +4,7 @@ that write the JSON, PNG and Markdown outputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -457,31 +458,44 @@ def test_tune_candidates_parse_and_name_bad_input():
     assert Candidate.parse("16:2048:8192") == Candidate(16, 2048, 8192)
     assert Candidate.parse("::") == Candidate(None, None, None)
     assert Candidate.parse("12::") == Candidate(12, None, None)
+    assert Candidate.parse("10:2048:8192:off") == Candidate(10, 2048, 8192, pairs=False)
+    assert Candidate.parse("10:::on").pairs is True and Candidate.parse("10:::auto").pairs is None
+    assert Candidate.parse("10:::on").config(MoKConfig()).megakernel_pairs is True
     with pytest.raises(ValueError, match="must be COMM:MINIBATCH:RING"):
         Candidate.parse("16:2048")
-    with pytest.raises(ValueError, match="fields must be integers"):
+    with pytest.raises(ValueError, match="must be integers or empty"):
         Candidate.parse("a:b:c")
-    cands = default_candidates(2048)
-    assert [c.comm_sms for c in cands] == [8, 10, 12, 16, 10]
-    assert all(c.ring_rows == 4 * c.minibatch_rows for c in cands)
-    assert cands[-1].minibatch_rows == 4096
+    with pytest.raises(ValueError, match="PAIRS must be on, off, auto or empty"):
+        Candidate.parse("10:::yes")
+    for default_pairs in (True, False):
+        cands = default_candidates(2048, default_pairs)
+        assert [c.comm_sms for c in cands] == [8, 10, 12, 16, 10, 10]
+        assert all(c.ring_rows == 4 * c.minibatch_rows for c in cands)
+        assert cands[4].minibatch_rows == 4096
+        # The shape's own pair mode for all but the last, which tries the other one.
+        assert [c.pairs for c in cands] == [None] * 5 + [not default_pairs]
+        assert cands[5].minibatch_rows == 2048
 
 
 def test_tune_args_file_holds_the_winner_as_megatron_flags(tmp_path):
     from megatron_mok.bench.tune import args_file_text
 
-    best = MoKConfig(comm_sms_forward=16, minibatch_rows=2048, ring_rows=8192)
+    best = MoKConfig(comm_sms_forward=16, minibatch_rows=2048, ring_rows=8192, megakernel_pairs=False)
     text = args_file_text(best, ["Kimi-K2: 5.4 ms", "  comm 16: 5.4 ms"])
     flags = [line for line in text.splitlines() if not line.startswith("#")]
-    assert flags == ["--mok-comm-sms-forward 16", "--mok-minibatch-rows 2048", "--mok-ring-rows 8192"]
+    assert flags == ["--mok-comm-sms-forward 16", "--mok-minibatch-rows 2048", "--mok-ring-rows 8192",
+                     "--mok-megakernel-pairs off"]
     assert "# Kimi-K2: 5.4 ms" in text
     # The launcher's argument parser takes the flags (megatron_mok.megatron.arguments).
     import argparse
 
-    from megatron_mok.megatron.arguments import add_mok_arguments
+    from megatron_mok.megatron.arguments import add_mok_arguments, settings_from_args
     parser = add_mok_arguments(argparse.ArgumentParser())
     ns = parser.parse_args(" ".join(flags).split())
     assert (ns.mok_comm_sms_forward, ns.mok_minibatch_rows, ns.mok_ring_rows) == (16, 2048, 8192)
+    assert settings_from_args(ns).config.megakernel_pairs is False
+    on = args_file_text(dataclasses.replace(best, megakernel_pairs=True), [])
+    assert on.splitlines()[-1] == "--mok-megakernel-pairs on"
 
 
 def test_tune_without_a_gpu_says_so(capsys, monkeypatch):

@@ -128,6 +128,8 @@ def test_unknown_backend_and_unavailable_backend():
     (dict(minibatch_rows=256, ring_rows=384), "ring_rows=384 must be a multiple of minibatch_rows=256"),
     (dict(minibatch_rows=256, ring_rows=256), "at least two minibatches"),
     (dict(max_tokens_per_rank=True), "max_tokens_per_rank=True"),
+    (dict(megakernel_pairs=1), r"megakernel_pairs=1 must be None \(chosen from the shape\), True or False"),
+    (dict(megakernel_pairs="on"), "megakernel_pairs='on'"),
 ])
 def test_bad_config_values_are_clear_errors(kwargs, message):
     with pytest.raises(MoKConfigError, match=message):
@@ -154,6 +156,9 @@ def test_default_heuristic_gives_two_waves():
     assert MoKConfig().resolve(hidden=1024, ffn_hidden=512, ep_size=1).comm_sms_forward == 10
     assert MoKConfig().resolve(hidden=1024, ffn_hidden=512, num_sms=33).comm_sms_forward == 8  # a quarter
     assert default_minibatch_rows(hidden=7168, ffn_hidden=2048, compute_sms=124, tile_rows=128) == 2048
+    # Pair mode is decided per call from the routed rows, so resolve leaves it as given.
+    assert cfg.megakernel_pairs is None
+    assert MoKConfig(megakernel_pairs=False).resolve(hidden=7168, ffn_hidden=2048).megakernel_pairs is False
 
 
 def test_import_without_gpu():

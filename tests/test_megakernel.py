@@ -96,6 +96,10 @@ def test_pair_mode_is_asked_for_in_the_weight_bound_regime():
     assert [mkb.use_pairs(shape(e)) for e in (192, 128, 129, 48, 6)] == [True, True, True, False, False]
     assert mkb.use_pairs(dataclasses.replace(shape(6), tokens=96))  # 96 x 8 / 6 = 128 rows per expert
     assert not mkb.use_pairs(dataclasses.replace(shape(128), tokens=4097))
+    # MoKConfig.megakernel_pairs (--mok-megakernel-pairs on / off) overrides the shape's choice.
+    assert mkb.use_pairs(shape(6), MoKConfig(megakernel_pairs=True))
+    assert not mkb.use_pairs(shape(192), MoKConfig(megakernel_pairs=False))
+    assert mkb.use_pairs(shape(192), MoKConfig())
 
 
 def test_tunables_resolve_within_the_rules():

@@ -47,15 +47,17 @@ def test_flag_and_tunables_parse(monkeypatch):
                                 "--mok-comm-sms", "6", "--mok-comm-sms-backward", "10",
                                 "--mok-minibatch-rows", "256", "--mok-ring-rows", "1024",
                                 "--mok-timeout-s", "5", "--mok-max-tokens-per-rank", "8192",
-                                "--mok-fuse-shared-expert"])
+                                "--mok-fuse-shared-expert", "--mok-megakernel-pairs", "off"])
     assert args.moe_token_dispatcher_type == "mok"
     settings = settings_from_args(args)
     assert settings.backend == "reference" and settings.fuse_shared_expert
     cfg = settings.config
     assert (cfg.comm_sms_forward, cfg.comm_sms_backward) == (6, 10)
     assert (cfg.minibatch_rows, cfg.ring_rows, cfg.timeout_s, cfg.max_tokens_per_rank) == (256, 1024, 5.0, 8192)
+    assert cfg.megakernel_pairs is False
     defaults = settings_from_args(_parse(monkeypatch, ["--moe-token-dispatcher-type", "mok"]))
     assert defaults.backend == "auto" and defaults.config.minibatch_rows is None
+    assert defaults.config.megakernel_pairs is None
     assert not defaults.fuse_shared_expert
 
 

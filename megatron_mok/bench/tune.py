@@ -11,15 +11,18 @@ time in its comments::
         --experts-per-gpu 6 --out tuned.args
     python -m megatron_mok.pretrain_gpt @my-model.args @tuned.args ...
 
-Candidates: ``--candidates C:M:R ...`` (empty fields take the defaults of
-:meth:`megatron_mok.MoKConfig.resolve`), else :func:`default_candidates`: 8, 10, 12 and 16
-comm SMs with the default minibatch, and 10 with twice the default minibatch (rings of four
-minibatches).
+Candidates: ``--candidates C:M:R[:PAIRS] ...`` (empty fields take the defaults of
+:meth:`megatron_mok.MoKConfig.resolve`; PAIRS is on, off or auto, pair mode of
+``MoKConfig.megakernel_pairs``), else :func:`default_candidates`: 8, 10, 12 and 16 comm SMs with
+the default minibatch, 10 with twice the default minibatch (rings of four minibatches), and 10
+at the default minibatch with pair mode the other way than the shape's default. The args file
+always pins pair mode (on or off) to what the winner ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
@@ -44,29 +47,37 @@ class Candidate:
     comm_sms: Optional[int]
     minibatch_rows: Optional[int]
     ring_rows: Optional[int]
+    pairs: Optional[bool] = None  # MoKConfig.megakernel_pairs (None: from the shape)
 
     @staticmethod
     def parse(text: str) -> "Candidate":
-        """'16:2048:8192' (empty fields: default) -> Candidate."""
+        """'16:2048:8192' or '16:2048:8192:off' (empty fields: default) -> Candidate."""
         parts = text.split(":")
-        if len(parts) != 3:
-            raise ValueError(f"candidate {text!r} must be COMM:MINIBATCH:RING (empty fields take the default)")
+        if len(parts) not in (3, 4):
+            raise ValueError(f"candidate {text!r} must be COMM:MINIBATCH:RING or COMM:MINIBATCH:RING:PAIRS "
+                             "(empty fields take the default)")
         try:
-            values = [int(p) if p else None for p in parts]
+            values = [int(p) if p else None for p in parts[:3]]
         except ValueError:
-            raise ValueError(f"candidate {text!r}: fields must be integers or empty") from None
-        return Candidate(*values)
+            raise ValueError(f"candidate {text!r}: COMM, MINIBATCH and RING must be integers or empty") from None
+        pairs = {"": None, "auto": None, "on": True, "off": False}.get(parts[3] if len(parts) == 4 else "", "bad")
+        if pairs == "bad":
+            raise ValueError(f"candidate {text!r}: PAIRS must be on, off, auto or empty")
+        return Candidate(*values, pairs=pairs)
 
     def config(self, base: MoKConfig) -> MoKConfig:
         return MoKConfig(comm_sms_forward=self.comm_sms, minibatch_rows=self.minibatch_rows,
-                         ring_rows=self.ring_rows, tile_rows=base.tile_rows, timeout_s=base.timeout_s,
-                         max_tokens_per_rank=base.max_tokens_per_rank)
+                         ring_rows=self.ring_rows, megakernel_pairs=self.pairs, tile_rows=base.tile_rows,
+                         timeout_s=base.timeout_s, max_tokens_per_rank=base.max_tokens_per_rank)
 
 
-def default_candidates(default_minibatch: int) -> List[Candidate]:
-    """8, 10, 12 and 16 comm SMs at the default minibatch; 10 at twice it (rings of four)."""
+def default_candidates(default_minibatch: int, default_pairs: bool) -> List[Candidate]:
+    """8, 10, 12 and 16 comm SMs at the default minibatch; 10 at twice it (rings of four); 10 at
+    the default minibatch with pair mode the other way than ``default_pairs`` (what the shape
+    would get): pair mode's gain moved between machines (docs/perf-notes.md, ninth session)."""
     out = [Candidate(c, default_minibatch, 4 * default_minibatch) for c in (8, 10, 12, 16)]
     out.append(Candidate(10, 2 * default_minibatch, 8 * default_minibatch))
+    out.append(Candidate(10, default_minibatch, 4 * default_minibatch, pairs=not default_pairs))
     return out
 
 
@@ -76,6 +87,8 @@ def args_file_text(best: MoKConfig, lines: Sequence[str]) -> str:
     head += [f"# {line}" for line in lines]
     flags = [f"--mok-comm-sms-forward {best.comm_sms_forward}", f"--mok-minibatch-rows {best.minibatch_rows}",
              f"--mok-ring-rows {best.ring_rows}"]
+    if best.megakernel_pairs is not None:
+        flags.append(f"--mok-megakernel-pairs {'on' if best.megakernel_pairs else 'off'}")
     return "\n".join(head + flags) + "\n"
 
 
@@ -89,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
     ap.add_argument("--experts-per-gpu", type=int, default=None, help="default: the model's experts / GPUs")
     ap.add_argument("--routing", choices=("uniform", "zipf", "hot"), default="uniform")
-    ap.add_argument("--candidates", nargs="+", default=None, help="COMM:MINIBATCH:RING settings to try")
+    ap.add_argument("--candidates", nargs="+", default=None, help="COMM:MINIBATCH:RING[:PAIRS] settings to try (PAIRS: on, off, auto)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1234)
@@ -119,7 +132,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sms = torch.cuda.get_device_properties(env.device).multi_processor_count
     base = MoKConfig(max_tokens_per_rank=T)
     if candidates is None:
-        candidates = default_candidates(megakernel_backend.resolve_tunables(base, call_shape, env.world, sms).minibatch_rows)
+        candidates = default_candidates(megakernel_backend.resolve_tunables(base, call_shape, env.world, sms).minibatch_rows,
+                                        megakernel_backend.use_pairs(call_shape))
     ids, weights = make_routing(RoutingSpec(kind=args.routing), T, case.num_experts, K,
                                 seed=args.seed + env.rank, device=env.device)
     gen = torch.Generator(device=env.device).manual_seed(args.seed + 100 + env.rank)
@@ -133,6 +147,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cfg = cand.config(base)
             try:
                 resolved = megakernel_backend.resolve_tunables(cfg, call_shape, env.world, sms)
+                # Pin pair mode to what this candidate runs, so the args file says it.
+                resolved = dataclasses.replace(resolved, megakernel_pairs=megakernel_backend.use_pairs(call_shape, cfg))
             except MoKConfigError as err:
                 results.append((cand, None, None, f"rejected: {err}"))
                 continue
@@ -158,8 +174,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lines = [f"{shape.name}, {L} experts/GPU, {T} tokens/GPU, {env.world} GPU(s), routing {args.routing}: "
              "megakernel forward, median of the slowest rank"]
     for cand, resolved, ms, note in results:
-        setting = (f"comm {resolved.comm_sms_forward}, minibatch {resolved.minibatch_rows}, ring {resolved.ring_rows}"
-                   if resolved is not None else f"{cand}")
+        setting = (f"comm {resolved.comm_sms_forward}, minibatch {resolved.minibatch_rows}, ring {resolved.ring_rows}, "
+                   f"pairs asked {'on' if resolved.megakernel_pairs else 'off'}" if resolved is not None else f"{cand}")
         lines.append(f"  {setting}: " + (f"{ms:.3f} ms ({flop / ms / 1e9:.0f} TFLOP/s), {note}" if ms else note))
     if env.rank == 0:
         print("\n".join(lines), flush=True)
@@ -172,6 +188,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(args_file_text(best, lines))
-        print(f"best: comm {best.comm_sms_forward}, minibatch {best.minibatch_rows}, ring {best.ring_rows} "
-              f"-> {args.out}", flush=True)
+        print(f"best: comm {best.comm_sms_forward}, minibatch {best.minibatch_rows}, ring {best.ring_rows}, "
+              f"pairs asked {'on' if best.megakernel_pairs else 'off'} -> {args.out}", flush=True)
     return 0

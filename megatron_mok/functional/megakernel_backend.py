@@ -114,9 +114,12 @@ three; with more rows per expert it measured 0.2-1.7% slower (docs/perf-notes.md
 session)."""
 
 
-def use_pairs(shape: MoEShape) -> bool:
-    """Whether the launch asks for pair mode: mean routed rows per local expert (tokens x top-k /
-    local experts) at most :data:`PAIR_ROWS_PER_EXPERT`."""
+def use_pairs(shape: MoEShape, config: Optional[MoKConfig] = None) -> bool:
+    """Whether the launch asks for pair mode: ``config.megakernel_pairs`` when set, else when
+    the mean routed rows per local expert (tokens x top-k / local experts) are at most
+    :data:`PAIR_ROWS_PER_EXPERT`."""
+    if config is not None and config.megakernel_pairs is not None:
+        return config.megakernel_pairs
     return shape.tokens * shape.topk <= PAIR_ROWS_PER_EXPERT * shape.experts_per_rank
 
 
@@ -237,7 +240,7 @@ def megakernel_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_grou
                                    fused_swiglu=cuda_backend.fused_swiglu_apply(shape, BLOCK_ROWS))
     num_ctas = share if isinstance(ep_group, LocalEPRank) else 0
     call = _Call(ws=ws, ring=ring, config=resolved, num_ctas=num_ctas, timeout_s=float(config.timeout_s),
-                 cuda_call=cuda_call, pairs=use_pairs(shape))
+                 cuda_call=cuda_call, pairs=use_pairs(shape, resolved))
     x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
     # Segments stay where they are when the backward's GEMMs can read them too; else one copy.
     fc1, fc2, fc1_2, fc2_2 = cuda_backend.weight_arguments(fc1_weight, fc2_weight, cuda_call)

@@ -19,6 +19,7 @@ MOK_FLAGS = (
     "--mok-comm-sms-backward",
     "--mok-minibatch-rows",
     "--mok-ring-rows",
+    "--mok-megakernel-pairs",
     "--mok-tile-rows",
     "--mok-timeout-s",
     "--mok-max-tokens-per-rank",
@@ -57,6 +58,10 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--mok-ring-rows", type=int, default=None,
                        help="Rows of the ring token buffer (a multiple of the minibatch, at least "
                             "two minibatches; default: four minibatches).")
+    group.add_argument("--mok-megakernel-pairs", choices=("auto", "on", "off"), default="auto",
+                       help="Run the megakernel in clusters of two CTAs that share each weight tile "
+                            "(auto: when the mean routed rows per local expert are at most 256, the "
+                            "weight-bound regime; `python -m megatron_mok.bench tune` measures both).")
     group.add_argument("--mok-tile-rows", type=int, default=128,
                        help="GEMM row-block height; expert segments are padded to it (GPU "
                             "backends: 64 or 128).")
@@ -88,6 +93,7 @@ def settings_from_args(args: Any) -> MoKLayerSettings:
         comm_sms_backward=backward if backward is not None else both,
         minibatch_rows=getattr(args, "mok_minibatch_rows", None),
         ring_rows=getattr(args, "mok_ring_rows", None),
+        megakernel_pairs={"on": True, "off": False}.get(getattr(args, "mok_megakernel_pairs", "auto")),
         tile_rows=getattr(args, "mok_tile_rows", 128),
         timeout_s=getattr(args, "mok_timeout_s", 60.0),
         max_tokens_per_rank=getattr(args, "mok_max_tokens_per_rank", None),
