@@ -2,8 +2,9 @@
 
 Run under torchrun with the EP size of the deployment (or its per-GPU load via
 ``--experts-per-gpu``). For each candidate (comm SMs, minibatch rows, ring rows) it checks the
-megakernel's output against the ``cuda`` backend's, then times the forward (warm-up, CUDA
-events, the median over iterations of the slowest rank) and writes the fastest as Megatron
+megakernel's output against the ``cuda`` backend's, then times the forward (with grad, as in
+training, unless ``--no-grad``; warm-up, CUDA events, the median over iterations of the slowest
+rank) and writes the fastest as Megatron
 flags to ``--out`` (an args file the launcher reads with ``@FILE``), with every candidate's
 time in its comments::
 
@@ -103,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--experts-per-gpu", type=int, default=None, help="default: the model's experts / GPUs")
     ap.add_argument("--routing", choices=("uniform", "zipf", "hot"), default="uniform")
     ap.add_argument("--candidates", nargs="+", default=None, help="COMM:MINIBATCH:RING[:PAIRS] settings to try (PAIRS: on, off, auto)")
+    ap.add_argument("--no-grad", action="store_true",
+                    help="time the forward without grad (inference); default: with grad, as in training")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1234)
@@ -142,6 +145,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     fc2 = (torch.randn(L, H, I, generator=gen, device=env.device) / I ** 0.5).bfloat16()
     with torch.no_grad():
         ref = mok_moe(x, ids, weights, fc1, fc2, ep_group=env.group, config=base, backend="cuda").float()
+    # As in training by default: x needs grad, so the launch also writes the activations the
+    # backward reads (the pulls store every row twice), which moves the best comm-SM count.
+    if not args.no_grad:
+        x.requires_grad_(True)
+    with torch.set_grad_enabled(not args.no_grad):
         results = []
         for cand in candidates:
             cfg = cand.config(base)
@@ -152,7 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except MoKConfigError as err:
                 results.append((cand, None, None, f"rejected: {err}"))
                 continue
-            y = mok_moe(x, ids, weights, fc1, fc2, ep_group=env.group, config=cfg, backend="megakernel").float()
+            y = mok_moe(x, ids, weights, fc1, fc2, ep_group=env.group, config=cfg, backend="megakernel").detach().float()
             err = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
             if not err <= MAX_REL_DIFF:  # also catches NaN
                 results.append((cand, resolved, None, f"wrong: relative difference {err:.2e} to the cuda backend"))
@@ -172,7 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     timed = [r for r in results if r[2] is not None]
     flop = 6 * T * K * H * I
     lines = [f"{shape.name}, {L} experts/GPU, {T} tokens/GPU, {env.world} GPU(s), routing {args.routing}: "
-             "megakernel forward, median of the slowest rank"]
+             f"megakernel forward {'without grad' if args.no_grad else 'with grad (training)'}, median of the slowest rank"]
     for cand, resolved, ms, note in results:
         setting = (f"comm {resolved.comm_sms_forward}, minibatch {resolved.minibatch_rows}, ring {resolved.ring_rows}, "
                    f"pairs asked {'on' if resolved.megakernel_pairs else 'off'}" if resolved is not None else f"{cand}")
