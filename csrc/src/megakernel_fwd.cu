@@ -257,7 +257,8 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     const ComputeContext cx{p.counters, deadline_of(p), p.L, p.trace};
     const PairLink link{p.pairs ? rank : -1, &sh.mail, &sh.pair_ticket};
     // No setmaxnreg: the consumers' code fits the launch bound's 168 registers without spills
-    // (ptxas -v), and at 40 registers the producer's queue and wait logic would spill.
+    // in the GEMM loop or the epilogues (ptxas -v: 8 bytes, the trace record of the CTA), and at
+    // 40 registers the producer's queue and wait logic would spill.
     if (wg == 0) {
       if (threadIdx.x == 0) produce_tiles(p.ops, plan, cx, ring1.table0, ring1.table1, ring1, ring2, sh.records, link);
     } else {

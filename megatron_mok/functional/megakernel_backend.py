@@ -109,9 +109,10 @@ def resolve_tunables(config: MoKConfig, shape: MoEShape, ep_size: int, num_sms: 
 PAIR_ROWS_PER_EXPERT = 2 * BLOCK_ROWS
 """Pair mode (clusters of two CTAs sharing each weight tile, docs/megakernel.md) is asked for
 when the mean rows per local expert are at most this: the weight-bound regime (Kimi-K2 and
-DeepSeek-V3 at EP 2: ~170 and ~256 rows), where it measured 1.5-7% faster on two machines of
-three; with more rows per expert it measured 0.2-1.7% slower (docs/perf-notes.md, ninth
-session)."""
+DeepSeek-V3 at EP 2: ~170 and ~256 rows). At 192 experts per GPU it measured 1.5-7% faster on
+two x2 machines of three and 2% slower on the third (128 per GPU: that third machine only, 2%
+slower); with more rows per expert (48 and 6 per GPU) 0.2-1.7% slower on every machine
+(docs/perf-notes.md, ninth session).
 
 
 def use_pairs(shape: MoEShape, config: Optional[MoKConfig] = None) -> bool:
