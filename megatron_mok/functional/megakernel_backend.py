@@ -112,7 +112,7 @@ when the mean rows per local expert are at most this: the weight-bound regime (K
 DeepSeek-V3 at EP 2: ~170 and ~256 rows). At 192 experts per GPU it measured 1.5-7% faster on
 two x2 machines of three and 2% slower on the third (128 per GPU: that third machine only, 2%
 slower); with more rows per expert (48 and 6 per GPU) 0.2-1.7% slower on every machine
-(docs/perf-notes.md, ninth session).
+(docs/perf-notes.md, ninth session)."""
 
 
 def use_pairs(shape: MoEShape, config: Optional[MoKConfig] = None) -> bool:
