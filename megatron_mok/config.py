@@ -23,6 +23,15 @@ HEURISTIC_TILE_COLS = 256
 # that split 10 was level with 12 on two H200s at 6 experts per GPU and 0.22 ms (2.6%) faster at
 # 192, with the training copies; 8 was 0.5 ms slower at 6 (docs/perf-notes.md, eighth session).
 COMM_SMS_DEFAULT = 10
+# Mean routed rows per local expert at or below which the forward is bound by reading expert
+# weights (Kimi-K2 and DeepSeek-V3 at EP 2: ~170 and 256 rows per expert); there the megakernel
+# runs in pairs of CTAs (megakernel_backend.use_pairs) and with fewer comm SMs.
+WEIGHT_BOUND_ROWS_PER_EXPERT = 256
+# Comm SMs of the forward megakernel in that regime: the pulls keep ahead of tiles that wait on
+# weights with 8, and the two SMs more for tiles bought 0.08-0.12 ms (1-1.5%) at 192 and 128
+# experts per GPU, with and without the training copies (paired, docs/perf-notes.md, tenth
+# session; the ninth session's tune run: 7.10 against 7.63 ms).
+COMM_SMS_WEIGHT_BOUND = 8
 H200_NUM_SMS = 132
 
 
@@ -154,17 +163,20 @@ class MoKConfig:
         ffn_hidden: int,
         num_sms: int = H200_NUM_SMS,
         ep_size: int = 1,
+        rows_per_expert: Optional[float] = None,
     ) -> "MoKConfig":
         """Return a copy with every ``None`` tunable chosen from the shape and the device.
 
         Heuristic (documented in docs/architecture.md):
 
-        * comm SMs: :data:`COMM_SMS_DEFAULT` (10), at most a quarter of the SMs, split into pull
-          and push CTAs by the bytes each side moves. Measured on two H200s
-          (docs/perf-notes.md): a comm SM moving rows with TMA bulk copies reads ~35-40 GB/s
-          of rows; with the split by bytes 10 keep the pulls ahead of the GEMMs and 8 starve
-          them at 6 experts per GPU; the same rows move at P = 1 (local copies), so the
-          default does not depend on P.
+        * comm SMs: :data:`COMM_SMS_DEFAULT` (10), or :data:`COMM_SMS_WEIGHT_BOUND` (8) when
+          ``rows_per_expert`` is at most :data:`WEIGHT_BOUND_ROWS_PER_EXPERT`; at most a
+          quarter of the SMs; split into pull and push CTAs by the bytes each side moves.
+          Measured on two H200s (docs/perf-notes.md): a comm SM moving rows with TMA bulk
+          copies reads ~35-40 GB/s of rows; with the split by bytes 10 keep the pulls ahead of
+          the GEMMs and 8 starve them at 6 experts per GPU, while in the weight-bound regime 8
+          are enough and the two SMs are worth more as compute; the same rows move at P = 1
+          (local copies), so the default does not depend on P. The backward's default is 10.
         * ``megakernel_pairs`` stays as given: ``None`` is decided per call from the routed
           rows per expert (``megakernel_backend.use_pairs``).
         * minibatch: the smallest multiple of ``tile_rows`` whose fc1 (N = 2 * ffn_hidden) and
@@ -177,10 +189,14 @@ class MoKConfig:
             ffn_hidden: I, the expert FFN size (fc1 produces 2 * I columns).
             num_sms: multiprocessors of the device.
             ep_size: P, ranks of the expert-parallel group.
+            rows_per_expert: mean routed rows per local expert of the calls (tokens x top-k /
+                local experts), if known; picks the forward's comm-SM default.
         """
         self.check_device(num_sms)
         default_comm = max(2, min(COMM_SMS_DEFAULT, num_sms // 4))
-        comm_fwd = self.comm_sms_forward if self.comm_sms_forward is not None else default_comm
+        weight_bound = rows_per_expert is not None and rows_per_expert <= WEIGHT_BOUND_ROWS_PER_EXPERT
+        default_comm_fwd = max(2, min(COMM_SMS_WEIGHT_BOUND, num_sms // 4)) if weight_bound else default_comm
+        comm_fwd = self.comm_sms_forward if self.comm_sms_forward is not None else default_comm_fwd
         comm_bwd = self.comm_sms_backward if self.comm_sms_backward is not None else default_comm
         minibatch = self.minibatch_rows
         if minibatch is None:

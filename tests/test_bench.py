@@ -475,6 +475,8 @@ def test_tune_candidates_parse_and_name_bad_input():
         # The shape's own pair mode for all but the last, which tries the other one.
         assert [c.pairs for c in cands] == [None] * 5 + [not default_pairs]
         assert cands[5].minibatch_rows == 2048
+    # In the weight-bound regime the default is 8 comm SMs; the last two candidates follow it.
+    assert [c.comm_sms for c in default_candidates(2048, True, 8)] == [8, 10, 12, 16, 8, 8]
 
 
 def test_tune_args_file_holds_the_winner_as_megatron_flags(tmp_path):

@@ -102,11 +102,25 @@ def test_pair_mode_is_asked_for_in_the_weight_bound_regime():
     assert mkb.use_pairs(shape(192), MoKConfig())
 
 
+def test_forward_comm_sms_default_follows_the_regime():
+    # Weight-bound (at most 256 rows per local expert): 8 comm SMs; otherwise 10. Always at most
+    # a quarter of the SMs; an explicit value wins; the backward's default stays 10.
+    def resolved(experts, config=MoKConfig(), sms=132):
+        return mkb.resolve_tunables(config, dataclasses.replace(KIMI, experts_per_rank=experts), 2, sms)
+    assert [resolved(e).comm_sms_forward for e in (192, 128, 129, 48, 6)] == [8, 8, 8, 10, 10]
+    assert [resolved(e).comm_sms_backward for e in (192, 6)] == [10, 10]
+    assert mkb.rows_per_expert(dataclasses.replace(KIMI, experts_per_rank=128)) == 256.0
+    assert resolved(192, MoKConfig(comm_sms_forward=12)).comm_sms_forward == 12
+    assert resolved(192, sms=20).comm_sms_forward == 5 and resolved(6, sms=20).comm_sms_forward == 5
+    # The minibatch heuristic sees the compute SMs left: two waves at 124 as at 122.
+    assert resolved(192).minibatch_rows == resolved(6).minibatch_rows == 2048
+
+
 def test_tunables_resolve_within_the_rules():
     cfg = mkb.resolve_tunables(MoKConfig(), KIMI, 2, 132)
-    assert cfg.comm_sms_forward == 10 and cfg.minibatch_rows % 128 == 0 and cfg.ring_rows == 4 * cfg.minibatch_rows
+    assert cfg.comm_sms_forward == 8 and cfg.minibatch_rows % 128 == 0 and cfg.ring_rows == 4 * cfg.minibatch_rows
     one = mkb.resolve_tunables(MoKConfig(), KIMI, 1, 132)
-    assert one.comm_sms_forward == 10  # the same rows move at P = 1 (local copies)
+    assert one.comm_sms_forward == 8  # the same rows move at P = 1 (local copies)
     # A virtual rank's share of the SMs (LocalEPGroup of 4 on 132 SMs).
     share = mkb.resolve_tunables(MoKConfig(), KIMI, 4, 33)
     assert share.comm_sms_forward == 8 and share.minibatch_rows >= 128

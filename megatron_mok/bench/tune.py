@@ -72,13 +72,14 @@ class Candidate:
                          timeout_s=base.timeout_s, max_tokens_per_rank=base.max_tokens_per_rank)
 
 
-def default_candidates(default_minibatch: int, default_pairs: bool) -> List[Candidate]:
-    """8, 10, 12 and 16 comm SMs at the default minibatch; 10 at twice it (rings of four); 10 at
-    the default minibatch with pair mode the other way than ``default_pairs`` (what the shape
-    would get): pair mode's gain moved between machines (docs/perf-notes.md, ninth session)."""
+def default_candidates(default_minibatch: int, default_pairs: bool, default_comm: int = 10) -> List[Candidate]:
+    """8, 10, 12 and 16 comm SMs at the default minibatch; the default comm SMs at twice it
+    (rings of four), and at the default minibatch with pair mode the other way than
+    ``default_pairs`` (what the shape would get): pair mode's gain moved between machines
+    (docs/perf-notes.md, ninth session)."""
     out = [Candidate(c, default_minibatch, 4 * default_minibatch) for c in (8, 10, 12, 16)]
-    out.append(Candidate(10, 2 * default_minibatch, 8 * default_minibatch))
-    out.append(Candidate(10, default_minibatch, 4 * default_minibatch, pairs=not default_pairs))
+    out.append(Candidate(default_comm, 2 * default_minibatch, 8 * default_minibatch))
+    out.append(Candidate(default_comm, default_minibatch, 4 * default_minibatch, pairs=not default_pairs))
     return out
 
 
@@ -135,8 +136,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sms = torch.cuda.get_device_properties(env.device).multi_processor_count
     base = MoKConfig(max_tokens_per_rank=T)
     if candidates is None:
-        candidates = default_candidates(megakernel_backend.resolve_tunables(base, call_shape, env.world, sms).minibatch_rows,
-                                        megakernel_backend.use_pairs(call_shape))
+        default = megakernel_backend.resolve_tunables(base, call_shape, env.world, sms)
+        candidates = default_candidates(default.minibatch_rows, megakernel_backend.use_pairs(call_shape),
+                                        default.comm_sms_forward)
     ids, weights = make_routing(RoutingSpec(kind=args.routing), T, case.num_experts, K,
                                 seed=args.seed + env.rank, device=env.device)
     gen = torch.Generator(device=env.device).manual_seed(args.seed + 100 + env.rank)

@@ -34,7 +34,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..config import MoKConfig, MoKConfigError
+from ..config import WEIGHT_BOUND_ROWS_PER_EXPERT, MoKConfig, MoKConfigError
 from ..ops import megakernel as mk_ops
 from . import cuda_backend
 from .groups import EPGroup, LocalEPRank, group_size_rank
@@ -95,7 +95,8 @@ def resolve_tunables(config: MoKConfig, shape: MoEShape, ep_size: int, num_sms: 
     if num_sms < 3:
         raise MoKConfigError(f"the megakernel needs at least 3 SMs (one pulling, one pushing, one computing), "
                              f"this launch has {num_sms}")
-    resolved = config.resolve(hidden=shape.hidden, ffn_hidden=shape.ffn_hidden, num_sms=num_sms, ep_size=ep_size)
+    resolved = config.resolve(hidden=shape.hidden, ffn_hidden=shape.ffn_hidden, num_sms=num_sms, ep_size=ep_size,
+                              rows_per_expert=rows_per_expert(shape))
     if resolved.minibatch_rows % BLOCK_ROWS:
         raise MoKConfigError(f"MoKConfig.minibatch_rows={resolved.minibatch_rows} must be a multiple of "
                              f"the megakernel's {BLOCK_ROWS}-row blocks")
@@ -106,22 +107,27 @@ def resolve_tunables(config: MoKConfig, shape: MoEShape, ep_size: int, num_sms: 
     return resolved
 
 
-PAIR_ROWS_PER_EXPERT = 2 * BLOCK_ROWS
+PAIR_ROWS_PER_EXPERT = WEIGHT_BOUND_ROWS_PER_EXPERT
 """Pair mode (clusters of two CTAs sharing each weight tile, docs/megakernel.md) is asked for
-when the mean rows per local expert are at most this: the weight-bound regime (Kimi-K2 and
-DeepSeek-V3 at EP 2: ~170 and ~256 rows). At 192 experts per GPU it measured 1.5-7% faster on
-two x2 machines of three and 2% slower on the third (128 per GPU: that third machine only, 2%
+when the mean rows per local expert are at most this (256): the weight-bound regime (Kimi-K2
+and DeepSeek-V3 at EP 2: ~170 and ~256 rows). At 192 experts per GPU it measured 1.5-7% faster
+on two x2 machines of three and 2% slower on the third (128 per GPU: that third machine only, 2%
 slower); with more rows per expert (48 and 6 per GPU) 0.2-1.7% slower on every machine
 (docs/perf-notes.md, ninth session)."""
 
 
+def rows_per_expert(shape: MoEShape) -> float:
+    """Mean routed rows a rank's local expert receives: tokens x top-k / local experts (every
+    rank sends T x K rows, spread over the E = P x L experts)."""
+    return shape.tokens * shape.topk / shape.experts_per_rank
+
+
 def use_pairs(shape: MoEShape, config: Optional[MoKConfig] = None) -> bool:
     """Whether the launch asks for pair mode: ``config.megakernel_pairs`` when set, else when
-    the mean routed rows per local expert (tokens x top-k / local experts) are at most
-    :data:`PAIR_ROWS_PER_EXPERT`."""
+    :func:`rows_per_expert` is at most :data:`PAIR_ROWS_PER_EXPERT`."""
     if config is not None and config.megakernel_pairs is not None:
         return config.megakernel_pairs
-    return shape.tokens * shape.topk <= PAIR_ROWS_PER_EXPERT * shape.experts_per_rank
+    return rows_per_expert(shape) <= PAIR_ROWS_PER_EXPERT
 
 
 def ring_bytes(ring_rows: int, hidden: int, ffn_hidden: int) -> int:

@@ -128,6 +128,23 @@ __device__ __forceinline__ void st_shared_cluster_u32(const void* word, uint32_t
       : "memory");
 }
 
+// Stores v into the 32-bit word at the same shared-memory offset as `word` in CTA `cta`, and
+// completes 4 bytes of transactions on that CTA's mbarrier at the offset of `bar`
+// (st.async): the barrier's phase completion makes the word visible to the threads that wait
+// on it, with no release fence in the storing thread.
+__device__ __forceinline__ void st_async_cluster_u32(const void* word, const uint64_t* bar, uint32_t cta,
+                                                     uint32_t v) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 rw, rb;\n"
+      "mapa.shared::cluster.u32 rw, %0, %2;\n"
+      "mapa.shared::cluster.u32 rb, %1, %2;\n"
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [rw], %3, [rb];\n"
+      "}\n" ::"r"(smem_addr(word)),
+      "r"(smem_addr(bar)), "r"(cta), "r"(v)
+      : "memory");
+}
+
 // Loads the 32-bit word at the same shared-memory offset as `word` in CTA `cta`.
 __device__ __forceinline__ uint32_t ld_shared_cluster_u32(const void* word, uint32_t cta) {
   uint32_t v;

@@ -148,9 +148,10 @@ struct ComputeContext {
 
 // Pair mode: how the producer threads of a cluster share the compute queue. The leader (rank 0)
 // takes each position with atomicAdd and hands it to the follower (rank 1) through `ticket`, a
-// word of the follower's shared memory; `mail` is a barrier of one arrival in each CTA: in the
-// follower "a position is in `ticket`", in the leader "the follower has read it". Both then run
-// the same pair tile, so their stage rings stay in step.
+// word of the follower's shared memory, written with st.async; `mail` is a barrier in each CTA:
+// in the follower "a position is in `ticket`" (its own arrival and the store's 4 bytes), in the
+// leader "the follower has read it" (the follower's arrival). Both then run the same pair tile,
+// so their stage rings stay in step.
 struct PairLink {
   int rank;         // -1: not in pair mode
   uint64_t* mail;
@@ -166,10 +167,14 @@ __device__ __forceinline__ int next_position(const ComputeContext& cx, const Pai
   if (link.rank == 0) {
     i = end ? total : atomicAdd(&cx.counters[kComputeNext], 1);
     gemm::mbar_wait(link.mail, mail_phase ^ 1u);  // the follower has read the previous position
-    gemm::st_shared_cluster_u32(link.ticket, 1, (uint32_t)i);
-    gemm::mbar_arrive_release_cluster(link.mail, 1);
+    // st.async, not a store and a release arrive: a release at cluster scope waits for this
+    // thread's earlier memory operations, and in the traced launch the hand-over then cost
+    // ~3 us per tile at the end of every fc2 tile (docs/perf-notes.md, tenth session).
+    gemm::st_async_cluster_u32(link.ticket, link.mail, 1, (uint32_t)i);
   } else {
-    gemm::mbar_wait_acquire_cluster(link.mail, mail_phase);
+    // One arrival (this thread's) and 4 bytes (the leader's st.async) complete the phase.
+    gemm::mbar_arrive_expect_tx(link.mail, 4);
+    gemm::mbar_wait(link.mail, mail_phase);
     i = *reinterpret_cast<volatile int32_t*>(link.ticket);
     gemm::mbar_arrive_release_cluster(link.mail, 0);
   }
