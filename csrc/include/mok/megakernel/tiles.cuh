@@ -168,8 +168,9 @@ __device__ __forceinline__ int next_position(const ComputeContext& cx, const Pai
     i = end ? total : atomicAdd(&cx.counters[kComputeNext], 1);
     gemm::mbar_wait(link.mail, mail_phase ^ 1u);  // the follower has read the previous position
     // st.async, not a store and a release arrive: a release at cluster scope waits for this
-    // thread's earlier memory operations, and in the traced launch the hand-over then cost
-    // ~3 us per tile at the end of every fc2 tile (docs/perf-notes.md, tenth session).
+    // thread's earlier memory operations, and the hand-over lies on the chain between a tile's
+    // last stage and the next tile's first, which is not hidden after fc2 tiles
+    // (docs/perf-notes.md, tenth session).
     gemm::st_async_cluster_u32(link.ticket, link.mail, 1, (uint32_t)i);
   } else {
     // One arrival (this thread's) and 4 bytes (the leader's st.async) complete the phase.
