@@ -12,7 +12,9 @@ Each setting is comm_ctas:minibatch_rows:ring_rows (empty fields: the defaults).
 rank it prints: the span of the launch and of its phases (first tile, last tile, last push,
 combine-done, slot sum), per item kind the count, mean wait for the input and mean run time
 (and the rate it means), the compute CTAs' busy share and their stalls by the kind of tile
-they waited for, and the first and last minibatches' milestones. With --out DIR it also saves
+they waited for, the tile boundaries (when the next tile was taken, had its input and started,
+after the previous one ended; per CTA of a pair), and the first and last minibatches'
+milestones. With --out DIR it also saves
 a per-CTA timeline chart of rank 0 (DIR/<name>.png) and, with --npz, every rank's raw records.
 With --ab NAME=A,B it instead times calls with the environment variable NAME set to A and to B
 alternately (the library reads its MOK_MEGAKERNEL_* switches at every launch), with
@@ -75,7 +77,37 @@ def block_real_rows(counts: np.ndarray, n_blocks: int) -> np.ndarray:
     return real
 
 
-def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_rows=None) -> List[str]:
+def tile_boundaries(items, pairs: bool) -> List[str]:
+    """Per kind of boundary between two consecutive tiles of a compute CTA (fc1 -> fc1, fc1 -> fc2,
+    ...), the medians of when the next tile was taken, when its input was acquired and when its
+    MMAs began, in us from the end of the previous tile (its counter release); in pair mode per
+    CTA of the cluster (the leader is the even CTA). A start later than +0.3 us means the
+    producer's chain (take, input wait, first loads) was not hidden by the previous tile's
+    epilogue (docs/perf-notes.md, tenth session)."""
+    kinds = items["kind"]
+    comp = np.isin(kinds, (1, 2))
+    groups = {}
+    for c in np.unique(items["cta"][comp]):
+        sel = np.where(comp & (items["cta"] == c))[0]
+        sel = sel[np.argsort(items["start"][sel])]
+        prev, nxt = sel[:-1], sel[1:]
+        done = items["done"][prev]
+        rank = int(c) % 2 if pairs else 0
+        for p_i, n_i, d in zip(prev, nxt, done):
+            key = (rank, int(kinds[p_i]), int(kinds[n_i]))
+            groups.setdefault(key, []).append(
+                (items["take"][n_i] - d, items["ready"][n_i] - d, items["start"][n_i] - d))
+    out = []
+    for (rank, a, b), rows in sorted(groups.items()):
+        take, ready, start = (float(np.median(col)) * 1e3 for col in zip(*rows))
+        who = ("leader " if rank == 0 else "follower ") if pairs else ""
+        out.append(f"  {who}fc{a} -> fc{b} (n={len(rows)}): next taken {take:+.2f}, input in {ready:+.2f}, "
+                   f"MMAs start {start:+.2f} us after the previous tile's end")
+    return out
+
+
+def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_rows=None,
+              pairs: bool = False) -> List[str]:
     """The timeline summary as lines of text (real_rows: per block, splits the tile times into
     blocks with more than 64 real rows and blocks with at most 64)."""
     out = [f"-- {label}"]
@@ -127,6 +159,8 @@ def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_row
     out.append(f"compute CTAs {n_comp}: busy {100 * busy / window:.1f}% of their window; stalls before fc1 "
                f"{stall_by_kind[1] / n_comp:.3f} ms, before fc2 {stall_by_kind[2] / n_comp:.3f} ms per CTA; "
                f"first tile starts {statistics.median(first_gap):.3f} ms after the CTA (median)")
+    out.append("tile boundaries (medians):")
+    out += tile_boundaries(items, pairs)
     tail = ctas["end"].max() - items["done"][comp].max()
     out.append(f"after the last tile: {tail:.3f} ms (last push, combine-done, slot sum)")
     # Minibatch milestones.
@@ -335,7 +369,7 @@ def main() -> None:
                  f"{stream_ms:.3f} ms/call, host {host_ms:.3f} ms/call")
         n_blocks = int(((counts + 127) // 128).sum())
         lines = summarize(items, ctas, H=H, I=I, mb_rows=tr["minibatch_rows"], label=label,
-                          real_rows=block_real_rows(counts, n_blocks))
+                          real_rows=block_real_rows(counts, n_blocks), pairs=pairs)
         if not args.milestones:
             lines = [line for line in lines if not line.startswith("  mb ") and "minibatches of" not in line]
         if distributed:

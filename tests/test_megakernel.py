@@ -25,6 +25,7 @@ import re
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -926,3 +927,41 @@ def _p2_worker(rank, world, specs):
 @pytest.mark.gpu2
 def test_megakernel_two_gpus_match_oracle_and_are_bitwise_stable():
     run_ranks(_p2_worker, 2, SWEEP_P2, backend="nccl")
+
+
+def _timeline_script(monkeypatch):
+    """scripts/megakernel_timeline.py as a module (it sets MOK_MEGAKERNEL_TRACE on import; the
+    monkeypatch puts it back)."""
+    import importlib.util
+    from pathlib import Path
+
+    monkeypatch.setenv("MOK_MEGAKERNEL_TRACE", os.environ.get("MOK_MEGAKERNEL_TRACE", "0"))
+    path = Path(__file__).resolve().parent.parent / "scripts" / "megakernel_timeline.py"
+    spec = importlib.util.spec_from_file_location("megakernel_timeline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_timeline_tile_boundaries_measure_from_the_previous_tile_end(monkeypatch):
+    # Two compute CTAs (a pair: CTA 0 leads), each running fc1, fc2, fc2 back to back; times in
+    # ms as decode() gives them. Next tile taken 3 us before / input 1 us after / MMAs 2 us after
+    # the previous tile's end on the leader, shifted by 1 us on the follower.
+    tl = _timeline_script(monkeypatch)
+    rows = {k: [] for k in ("kind", "block", "col", "cta", "take", "ready", "start", "done")}
+    for cta, shift in ((0, 0.0), (1, 0.001)):
+        end = 0.0
+        for kind in (1, 2, 2):
+            for name, value in (("kind", kind), ("block", 0), ("col", 0), ("cta", cta),
+                                ("take", end - 0.003 + shift), ("ready", end + 0.001 + shift),
+                                ("start", end + 0.002 + shift), ("done", end + 0.002 + shift + 0.05)):
+                rows[name].append(value)
+            end = rows["done"][-1]
+    items = {k: np.array(v) for k, v in rows.items()}
+    lines = tl.tile_boundaries(items, pairs=True)
+    assert len(lines) == 4, lines  # (leader, follower) x (fc1 -> fc2, fc2 -> fc2)
+    assert lines[0].startswith("  leader fc1 -> fc2 (n=1): next taken -3.00, input in +1.00, MMAs start +2.00")
+    assert lines[3].startswith("  follower fc2 -> fc2 (n=1): next taken -2.00, input in +2.00, MMAs start +3.00")
+    single = tl.tile_boundaries(items, pairs=False)
+    assert [line.split(" (")[0] for line in single] == ["  fc1 -> fc2", "  fc2 -> fc2"]
+    assert "(n=2)" in single[0] and "(n=2)" in single[1]
