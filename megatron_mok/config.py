@@ -32,6 +32,13 @@ WEIGHT_BOUND_ROWS_PER_EXPERT = 256
 # experts per GPU, with and without the training copies (paired, docs/perf-notes.md, tenth
 # session; the ninth session's tune run: 7.10 against 7.63 ms).
 COMM_SMS_WEIGHT_BOUND = 8
+# A forward without grad saves no activations for the backward: its pulls write each row once
+# instead of twice, so its comm CTAs move 4 bytes for every 5 of a training forward, and two
+# comm SMs fewer keep up. Paired, without grad: 6 against 8 comm SMs at 192 and 128 experts per
+# GPU -0.109 / -0.074 ms, 8 against 10 at 48 and 6 per GPU -0.087 / -0.030 ms; two fewer again
+# were 0.29-1.8 ms slower, and with grad 6 against 8 at 192 was 0.96 ms slower
+# (docs/perf-notes.md, eleventh session).
+COMM_SMS_FEWER_WITHOUT_GRAD = 2
 H200_NUM_SMS = 132
 
 
@@ -177,6 +184,8 @@ class MoKConfig:
           the GEMMs and 8 starve them at 6 experts per GPU, while in the weight-bound regime 8
           are enough and the two SMs are worth more as compute; the same rows move at P = 1
           (local copies), so the default does not depend on P. The backward's default is 10.
+          This is the count of a forward that saves activations (grad on); one that saves none
+          takes :data:`COMM_SMS_FEWER_WITHOUT_GRAD` fewer (:meth:`forward_comm_sms`).
         * ``megakernel_pairs`` stays as given: ``None`` is decided per call from the routed
           rows per expert (``megakernel_backend.use_pairs``).
         * minibatch: the smallest multiple of ``tile_rows`` whose fc1 (N = 2 * ffn_hidden) and
@@ -212,6 +221,20 @@ class MoKConfig:
             minibatch_rows=minibatch,
             ring_rows=ring,
         )
+
+    def forward_comm_sms(self, resolved: "MoKConfig", *, saves_activations: bool) -> int:
+        """Comm SMs of one forward launch, ``self`` being the config as given and ``resolved``
+        its :meth:`resolve`. A forward that saves activations for the backward takes
+        ``resolved.comm_sms_forward``; one that saves none (no grad) takes the same when
+        ``comm_sms_forward`` was given, else :data:`COMM_SMS_FEWER_WITHOUT_GRAD` fewer, at
+        least 2. The minibatch and ring stay the resolved ones either way (one ring serves
+        both kinds of call)."""
+        comm = resolved.comm_sms_forward
+        if comm is None:
+            raise MoKConfigError("forward_comm_sms needs the resolved config (MoKConfig.resolve)")
+        if saves_activations or self.comm_sms_forward is not None:
+            return comm
+        return max(2, comm - COMM_SMS_FEWER_WITHOUT_GRAD)
 
 
 def default_minibatch_rows(*, hidden: int, ffn_hidden: int, compute_sms: int, tile_rows: int) -> int:

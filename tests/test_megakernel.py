@@ -117,6 +117,22 @@ def test_forward_comm_sms_default_follows_the_regime():
     assert resolved(192).minibatch_rows == resolved(6).minibatch_rows == 2048
 
 
+def test_forward_without_grad_takes_two_comm_sms_fewer_unless_given():
+    # No training copies: the pulls write each row once, so a forward without grad takes two comm
+    # SMs fewer (6 weight-bound, 8 otherwise); with grad the resolved count; an explicit count
+    # serves both; never below 2.
+    def counts(experts, config=MoKConfig(), sms=132):
+        res = mkb.resolve_tunables(config, dataclasses.replace(KIMI, experts_per_rank=experts), 2, sms)
+        return (config.forward_comm_sms(res, saves_activations=True),
+                config.forward_comm_sms(res, saves_activations=False))
+    assert [counts(e) for e in (192, 128, 48, 6)] == [(8, 6), (8, 6), (10, 8), (10, 8)]
+    assert counts(192, MoKConfig(comm_sms_forward=12)) == (12, 12)
+    assert counts(6, MoKConfig(comm_sms_forward=3)) == (3, 3)
+    assert counts(192, sms=12) == (3, 2) and counts(192, sms=8) == (2, 2)
+    with pytest.raises(MoKConfigError, match="needs the resolved config"):
+        MoKConfig().forward_comm_sms(MoKConfig(), saves_activations=False)
+
+
 def test_tunables_resolve_within_the_rules():
     cfg = mkb.resolve_tunables(MoKConfig(), KIMI, 2, 132)
     assert cfg.comm_sms_forward == 8 and cfg.minibatch_rows % 128 == 0 and cfg.ring_rows == 4 * cfg.minibatch_rows
@@ -717,6 +733,36 @@ def test_megakernel_forward_is_bitwise_the_grouped_gemm_kernels_composed(routing
         valid = (ids[:, j] >= 0) & (r >= 0)
         acc = torch.where(valid[:, None], acc + out[r.clamp(min=0)].float(), acc)
     assert torch.equal(y, acc.bfloat16()), "the megakernel's forward differs from the composed kernels"
+
+
+@pytest.mark.gpu
+def test_forward_without_grad_launches_two_comm_ctas_fewer(monkeypatch):
+    """256 rows per local expert (weight-bound): 6 comm CTAs without grad, 8 with (the trace's
+    CTA records say which CTAs took the comm role); the same bits either way."""
+    from .gpu_cases import gpu_case
+
+    case = gpu_case(21, [2048], 1024, 512, 64, 8, "uniform")
+    x, ids, w = case.x[0], case.ids[0], case.weights[0]
+    monkeypatch.setenv(mkb.TRACE_ENV, "1")
+
+    def comm_ctas_of_last_launch():
+        torch.cuda.synchronize()
+        trace = mkb.last_trace()
+        records = trace["records"].cpu().numpy()
+        meta = records[:, 4]
+        ctas = (records[:, 0] > 0) & ((meta & 0xFF) == 5)
+        return int(((meta[ctas] >> 8) & 0xFF).sum()), trace["comm_ctas"]
+
+    with torch.no_grad():
+        y_no_grad = mok_moe(x, ids, w, case.fc1_all, case.fc2_all, config=MoKConfig(), backend="megakernel")
+    assert comm_ctas_of_last_launch() == (6, 6)
+    y_grad = mok_moe(x.clone().requires_grad_(True), ids, w, case.fc1_all, case.fc2_all, config=MoKConfig(),
+                     backend="megakernel")
+    assert comm_ctas_of_last_launch() == (8, 8)
+    assert torch.equal(y_no_grad, y_grad.detach())
+    with torch.no_grad():
+        mok_moe(x, ids, w, case.fc1_all, case.fc2_all, config=MoKConfig(comm_sms_forward=10), backend="megakernel")
+    assert comm_ctas_of_last_launch() == (10, 10)
 
 
 SWEEP_VIRTUAL = [

@@ -73,11 +73,11 @@ class Candidate:
 
 
 def default_candidates(default_minibatch: int, default_pairs: bool, default_comm: int = 10) -> List[Candidate]:
-    """8, 10, 12 and 16 comm SMs at the default minibatch; the default comm SMs at twice it
-    (rings of four), and at the default minibatch with pair mode the other way than
-    ``default_pairs`` (what the shape would get): pair mode's gain moved between machines
-    (docs/perf-notes.md, ninth session)."""
-    out = [Candidate(c, default_minibatch, 4 * default_minibatch) for c in (8, 10, 12, 16)]
+    """6, 8, 10 and 12 comm SMs at the default minibatch (16 never won; 6 is the weight-bound
+    default without grad); the default comm SMs at twice it (rings of four), and at the default
+    minibatch with pair mode the other way than ``default_pairs`` (what the shape would get):
+    pair mode's gain moved between machines (docs/perf-notes.md, ninth session)."""
+    out = [Candidate(c, default_minibatch, 4 * default_minibatch) for c in (6, 8, 10, 12)]
     out.append(Candidate(default_comm, 2 * default_minibatch, 8 * default_minibatch))
     out.append(Candidate(default_comm, default_minibatch, 4 * default_minibatch, pairs=not default_pairs))
     return out
@@ -138,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if candidates is None:
         default = megakernel_backend.resolve_tunables(base, call_shape, env.world, sms)
         candidates = default_candidates(default.minibatch_rows, megakernel_backend.use_pairs(call_shape),
-                                        default.comm_sms_forward)
+                                        base.forward_comm_sms(default, saves_activations=not args.no_grad))
     ids, weights = make_routing(RoutingSpec(kind=args.routing), T, case.num_experts, K,
                                 seed=args.seed + env.rank, device=env.device)
     gen = torch.Generator(device=env.device).manual_seed(args.seed + 100 + env.rank)

@@ -172,6 +172,7 @@ class _Call:
     timeout_s: float
     cuda_call: cuda_backend._Call
     pairs: bool             # ask for clusters of two CTAs (use_pairs)
+    comm_ctas_no_grad: int  # comm CTAs of a launch that saves no activations (forward_comm_sms)
 
 
 class _MegakernelMoE(torch.autograd.Function):
@@ -181,6 +182,7 @@ class _MegakernelMoE(torch.autograd.Function):
     def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, call: _Call, fc1_2=None, fc2_2=None):
         ws, ring, cfg = call.ws, call.ring, call.config
         training = any(ctx.needs_input_grad)
+        comm_ctas = cfg.comm_sms_forward if training else call.comm_ctas_no_grad
         ws.raise_if_failed(call.timeout_s)
         ws.publish(x, topk_ids, topk_weights)
         ws.barrier(cuda_backend.SITE_FWD_DISPATCH, call.timeout_s)
@@ -191,7 +193,7 @@ class _MegakernelMoE(torch.autograd.Function):
             trace = torch.zeros((mk_ops.trace_records(table.shape[0], H, I), len(mk_ops.TRACE_FIELDS)),
                                 dtype=torch.int64, device=x.device)
             _last_trace.update(records=trace, minibatch_rows=cfg.minibatch_rows, ring_rows=cfg.ring_rows,
-                               comm_ctas=cfg.comm_sms_forward, hidden=H, ffn_hidden=I, num_ctas=call.num_ctas,
+                               comm_ctas=comm_ctas, hidden=H, ffn_hidden=I, num_ctas=call.num_ctas,
                                pairs=call.pairs)
         saved = (None, None, None)
         if training:  # the cuda backend's activations, written by the launch
@@ -202,7 +204,7 @@ class _MegakernelMoE(torch.autograd.Function):
         y = mk_ops.megakernel_forward(
             ws.bases, ws.signal_bases, ws.layout.rows, ws.layout.scalars, ws.layout.slots, table, offsets, counts,
             topk_ids, fc1, fc2, ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, ws.rank,
-            cfg.minibatch_rows, cfg.comm_sms_forward, call.num_ctas, int(call.timeout_s * 1e9), trace, *saved,
+            cfg.minibatch_rows, comm_ctas, call.num_ctas, int(call.timeout_s * 1e9), trace, *saved,
             fc1_2, fc2_2, pairs=call.pairs)
         ws.mirror_status()
         if training:
@@ -247,11 +249,13 @@ def megakernel_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_grou
                                    fused_swiglu=cuda_backend.fused_swiglu_apply(shape, BLOCK_ROWS))
     num_ctas = share if isinstance(ep_group, LocalEPRank) else 0
     call = _Call(ws=ws, ring=ring, config=resolved, num_ctas=num_ctas, timeout_s=float(config.timeout_s),
-                 cuda_call=cuda_call, pairs=use_pairs(shape, resolved))
+                 cuda_call=cuda_call, pairs=use_pairs(shape, resolved),
+                 comm_ctas_no_grad=config.forward_comm_sms(resolved, saves_activations=False))
     x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
     # Segments stay where they are when the backward's GEMMs can read them too; else one copy.
     fc1, fc2, fc1_2, fc2_2 = cuda_backend.weight_arguments(fc1_weight, fc2_weight, cuda_call)
-    # Everything the launch will check, before any GPU work (the schedule is built later).
+    # Everything the launch will check, before any GPU work (the schedule is built later). A
+    # launch without grad takes fewer comm CTAs, still at least 2, so these checks cover it.
     mk_ops.check_forward_args(ws.bases, ws.signal_bases, None, None, None, topk_ids, fc1, fc2,
                               ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, rank=ws.rank,
                               minibatch_rows=resolved.minibatch_rows, comm_ctas=resolved.comm_sms_forward,
