@@ -7,6 +7,7 @@ timeline summary (docs/megakernel.md, "Timeline").
     torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 6 \
         --ab MOK_MEGAKERNEL_PUSH_HELPERS=1,0 --rounds 40     (paired A/B timing of a switch)
     torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 6 --ab-settings 12:: 8::
+    torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 192 --bound   (issue 7's bound)
 
 Each setting is comm_ctas:minibatch_rows:ring_rows (empty fields: the defaults). Per setting and
 rank it prints: the span of the launch and of its phases (first tile, last tile, last push,
@@ -16,6 +17,10 @@ they waited for, the tile boundaries (when the next tile was taken, had its inpu
 after the previous one ended; per CTA of a pair), and the first and last minibatches'
 milestones. With --out DIR it also saves
 a per-CTA timeline chart of rank 0 (DIR/<name>.png) and, with --npz, every rank's raw records.
+With --bound it instead times issue 7's first bound: blocks of megakernel calls and of
+torch._grouped_mm fc1 + fc2 alone on the rank's expert load (A B B A), each after untimed calls
+that bring the card to the power state it holds under that load, and prints both medians and the
+ratio.
 With --ab NAME=A,B it instead times calls with the environment variable NAME set to A and to B
 alternately (the library reads its MOK_MEGAKERNEL_* switches at every launch), with
 --ab-settings two settings alternately; each call synchronised and timed on the slowest rank; it
@@ -29,7 +34,7 @@ import argparse
 import os
 import statistics
 import time
-from typing import List
+from typing import List, Optional, Tuple
 
 os.environ["MOK_MEGAKERNEL_TRACE"] = "1"
 
@@ -208,24 +213,34 @@ def chart(items, ctas, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def gemms_alone(rows: int, counts: np.ndarray, fc1: torch.Tensor, fc2: torch.Tensor, rank: int, P: int,
-                iters: int) -> None:
-    """Times torch._grouped_mm for fc1 and for fc2 alone on `rows` expert-grouped rows (counts per
-    local expert), no SwiGLU: the first term of issue 7's bound. Prints the median per rank."""
+def gemms_alone_call(rows: int, counts: np.ndarray, fc1: torch.Tensor, fc2: torch.Tensor):
+    """A call of torch._grouped_mm for fc1 and then fc2 alone on `rows` expert-grouped rows
+    (counts per local expert), no SwiGLU: the first term of issue 7's bound."""
     H, I = fc1.shape[2], fc2.shape[2]
     x = torch.randn(rows, H, device="cuda").bfloat16()
     h = torch.randn(rows, I, device="cuda").bfloat16()
     offs = torch.tensor(np.cumsum(counts), device="cuda", dtype=torch.int32)
     w1, w2 = fc1.transpose(-2, -1), fc2.transpose(-2, -1)
-    for _ in range(3):
+
+    def call():
         torch._grouped_mm(x, w1, offs=offs)
         torch._grouped_mm(h, w2, offs=offs)
+    return call
+
+
+def gemms_alone(rows: int, counts: np.ndarray, fc1: torch.Tensor, fc2: torch.Tensor, rank: int, P: int,
+                iters: int) -> None:
+    """Times :func:`gemms_alone_call` right away (a card that has been idle runs it above the
+    clock it holds under load: prefer --bound) and prints the median per rank."""
+    H, I = fc1.shape[2], fc2.shape[2]
+    call = gemms_alone_call(rows, counts, fc1, fc2)
+    for _ in range(3):
+        call()
     times = []
     for _ in range(max(iters, 5)):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        torch._grouped_mm(x, w1, offs=offs)
-        torch._grouped_mm(h, w2, offs=offs)
+        call()
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
@@ -233,6 +248,31 @@ def gemms_alone(rows: int, counts: np.ndarray, fc1: torch.Tensor, fc2: torch.Ten
     tf = 6 * rows * H * I / ms / 1e9
     print(f"rank {rank}/{P}: torch._grouped_mm fc1 + fc2 alone, {rows} rows: {ms:.3f} ms ({tf:.0f} TFLOP/s); "
           f"1.15x = {1.15 * ms:.3f} ms", flush=True)
+
+
+def bound_timing(mk_call, gemms_call, rounds: int, warmup: int, distributed: bool, rank: int, label: str,
+                 device: Optional[torch.device] = None) -> Tuple[float, float]:
+    """Issue 7's first bound, each side in the power state it holds under its own load: blocks of
+    the megakernel call and of torch._grouped_mm fc1 + fc2 alone on each rank's expert load, in
+    the order A B B A, each block `warmup` untimed calls and then `rounds` timed ones (each
+    synchronised and timed on the slowest rank). Alternating the two call by call instead hands
+    clock from one to the other under the power cap (docs/perf-notes.md, eleventh session).
+    Prints both medians and their ratio and returns them (ms).
+
+    device: where the calls run (default: the current CUDA device)."""
+    group = dist.group.WORLD if distributed else None
+    device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    variants = {"megakernel": mk_call, "torch._grouped_mm": gemms_call}
+    times = {name: [] for name in variants}
+    for name in ("megakernel", "torch._grouped_mm", "torch._grouped_mm", "megakernel"):
+        times[name] += interleaved_rounds([(name, variants[name])], rounds, group, device, warmup=warmup)[name]
+    check_errors()
+    mk_ms, mm_ms = statistics.median(times["megakernel"]), statistics.median(times["torch._grouped_mm"])
+    if rank == 0:
+        print(f"{label}: megakernel {mk_ms:.3f} ms, torch._grouped_mm fc1 + fc2 alone {mm_ms:.3f} ms (medians of "
+              f"2 x {rounds} calls, each block after {warmup} untimed ones, slowest rank); ratio "
+              f"{mk_ms / mm_ms:.3f}x (bound 1.15x)", flush=True)
+    return mk_ms, mm_ms
 
 
 def ab_timing(variants, rounds: int, distributed: bool, rank: int, label: str) -> None:
@@ -268,7 +308,11 @@ def main() -> None:
                     help="paired timing of an environment switch instead of the timeline")
     ap.add_argument("--ab-settings", nargs=2, default=None, metavar="SETTING",
                     help="paired timing of two comm:minibatch:ring settings instead of the timeline")
-    ap.add_argument("--rounds", type=int, default=40, help="rounds of --ab and --ab-settings")
+    ap.add_argument("--bound", action="store_true",
+                    help="instead of the timeline, time issue 7's bound: blocks of megakernel calls and of "
+                         "torch._grouped_mm alone (A B B A), each after --bound-warmup untimed calls")
+    ap.add_argument("--bound-warmup", type=int, default=100, help="untimed calls before each --bound block")
+    ap.add_argument("--rounds", type=int, default=40, help="rounds of --ab, --ab-settings and --bound")
     ap.add_argument("--training", action="store_true",
                     help="forward with grad: the launch also writes the activations the backward reads")
     args = ap.parse_args()
@@ -309,6 +353,16 @@ def main() -> None:
     routed = torch.cat([i.reshape(-1) for i in all_ids])
     local = routed[(routed >= rank * L) & (routed < (rank + 1) * L)] - rank * L
     counts = torch.bincount(local, minlength=L).cpu().numpy()
+    if args.bound:
+        cfg = Candidate.parse(args.settings[0]).config(MoKConfig())
+        os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
+        with torch.set_grad_enabled(args.training):
+            bound_timing(lambda: mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg, backend="megakernel"),
+                         gemms_alone_call(int(counts.sum()), counts, fc1, fc2), args.rounds, args.bound_warmup,
+                         distributed, rank, f"L={L} {args.settings[0]}{' training' if args.training else ''}")
+        if distributed:
+            dist.destroy_process_group()
+        return
     if args.gemms_alone:
         gemms_alone(int(counts.sum()), counts, fc1, fc2, rank, P, args.iters)
     for text in args.settings:

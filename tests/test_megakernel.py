@@ -1011,3 +1011,21 @@ def test_timeline_tile_boundaries_measure_from_the_previous_tile_end(monkeypatch
     single = tl.tile_boundaries(items, pairs=False)
     assert [line.split(" (")[0] for line in single] == ["  fc1 -> fc2", "  fc2 -> fc2"]
     assert "(n=2)" in single[0] and "(n=2)" in single[1]
+
+
+def test_timeline_bound_times_each_side_in_blocks_after_warmup(monkeypatch):
+    # Blocks A B B A, each `warmup` untimed calls and then `rounds` timed ones; the medians are
+    # the calls' own times (12 ms and 3 ms here, on the CPU clock).
+    tl = _timeline_script(monkeypatch)
+    monkeypatch.setattr(tl, "check_errors", lambda: None)
+    order = []
+
+    def sleeper(name, ms):
+        def call():
+            order.append(name)
+            time.sleep(ms / 1e3)
+        return call
+    mk_ms, mm_ms = tl.bound_timing(sleeper("mk", 12.0), sleeper("mm", 3.0), rounds=3, warmup=2, distributed=False,
+                                   rank=1, label="test", device=torch.device("cpu"))
+    assert order == ["mk"] * 5 + ["mm"] * 10 + ["mk"] * 5
+    assert 12.0 <= mk_ms < 12.0 + 50 and 3.0 <= mm_ms < 3.0 + 50 and mk_ms > mm_ms
