@@ -24,7 +24,9 @@ ratio.
 With --ab NAME=A,B it instead times calls with the environment variable NAME set to A and to B
 alternately (the library reads its MOK_MEGAKERNEL_* switches at every launch), with
 --ab-settings two settings alternately; each call synchronised and timed on the slowest rank; it
-prints the medians and the paired difference.
+prints the medians and the paired difference. With --blocks it times them in blocks A B B A
+instead, each after untimed calls: under the power cap, alternating call by call hides a
+difference in energy per call (docs/perf-notes.md, eleventh session).
 Needs the CUDA library (an sm_90 GPU).
 """
 
@@ -43,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_mok import MoKConfig  # noqa: E402
-from megatron_mok.bench.timing import interleaved_rounds  # noqa: E402
+from megatron_mok.bench.timing import block_rounds, interleaved_rounds  # noqa: E402
 from megatron_mok.bench.tune import Candidate  # noqa: E402
 from megatron_mok.functional import check_errors, megakernel_backend, mok_moe  # noqa: E402
 from megatron_mok.ops import megakernel as mk_ops  # noqa: E402
@@ -252,20 +254,16 @@ def gemms_alone(rows: int, counts: np.ndarray, fc1: torch.Tensor, fc2: torch.Ten
 
 def bound_timing(mk_call, gemms_call, rounds: int, warmup: int, distributed: bool, rank: int, label: str,
                  device: Optional[torch.device] = None) -> Tuple[float, float]:
-    """Issue 7's first bound, each side in the power state it holds under its own load: blocks of
-    the megakernel call and of torch._grouped_mm fc1 + fc2 alone on each rank's expert load, in
-    the order A B B A, each block `warmup` untimed calls and then `rounds` timed ones (each
-    synchronised and timed on the slowest rank). Alternating the two call by call instead hands
-    clock from one to the other under the power cap (docs/perf-notes.md, eleventh session).
-    Prints both medians and their ratio and returns them (ms).
+    """Issue 7's first bound, each side in the power state it holds under its own load: the
+    megakernel call and torch._grouped_mm fc1 + fc2 alone on each rank's expert load in blocks
+    A B B A (`block_rounds`: `warmup` untimed calls, then `rounds` timed ones, each synchronised
+    and timed on the slowest rank). Prints both medians and their ratio and returns them (ms).
 
     device: where the calls run (default: the current CUDA device)."""
     group = dist.group.WORLD if distributed else None
     device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
-    variants = {"megakernel": mk_call, "torch._grouped_mm": gemms_call}
-    times = {name: [] for name in variants}
-    for name in ("megakernel", "torch._grouped_mm", "torch._grouped_mm", "megakernel"):
-        times[name] += interleaved_rounds([(name, variants[name])], rounds, group, device, warmup=warmup)[name]
+    times = block_rounds([("megakernel", mk_call), ("torch._grouped_mm", gemms_call)], rounds, group, device,
+                         warmup=warmup)
     check_errors()
     mk_ms, mm_ms = statistics.median(times["megakernel"]), statistics.median(times["torch._grouped_mm"])
     if rank == 0:
@@ -275,15 +273,26 @@ def bound_timing(mk_call, gemms_call, rounds: int, warmup: int, distributed: boo
     return mk_ms, mm_ms
 
 
-def ab_timing(variants, rounds: int, distributed: bool, rank: int, label: str) -> None:
-    """Paired timing of two (name, call) variants, alternating which goes first in each round
-    (so slow drifts such as clocks under the power cap cancel). Each call is synchronised; its
-    time is the slowest rank's."""
+def ab_timing(variants, rounds: int, distributed: bool, rank: int, label: str, blocks_warmup: int = 0) -> None:
+    """Timing of two (name, call) variants, each call synchronised and timed on the slowest rank.
+    By default paired: alternating which goes first in each round, so slow drifts cancel, but
+    under the power cap so does a difference in energy per call. With blocks_warmup > 0 in
+    blocks A B B A after that many untimed calls each (`block_rounds`), which keeps it."""
     group = dist.group.WORLD if distributed else None
-    times = interleaved_rounds(variants, rounds, group, torch.device("cuda", torch.cuda.current_device()))
+    device = torch.device("cuda", torch.cuda.current_device())
+    (na, _), (nb, _) = variants
+    if blocks_warmup > 0:
+        times = block_rounds(variants, rounds, group, device, warmup=blocks_warmup)
+        check_errors()
+        if rank == 0:
+            a, b = statistics.median(times[na]), statistics.median(times[nb])
+            print(f"{label}: {na} {a:.3f} ms, {nb} {b:.3f} ms (medians of 2 x {rounds} calls in blocks A B B A, "
+                  f"each after {blocks_warmup} untimed ones, slowest rank); {nb} - {na}: {b - a:+.3f} ms",
+                  flush=True)
+        return
+    times = interleaved_rounds(variants, rounds, group, device)
     check_errors()
     if rank == 0:
-        (na, _), (nb, _) = variants
         diff = np.array(times[nb]) - np.array(times[na])
         print(f"{label}: {na} {statistics.median(times[na]):.3f} ms, {nb} {statistics.median(times[nb]):.3f} ms "
               f"(median of {rounds}, slowest rank); paired {nb} - {na}: median {np.median(diff):+.3f} ms, "
@@ -310,8 +319,11 @@ def main() -> None:
                     help="paired timing of two comm:minibatch:ring settings instead of the timeline")
     ap.add_argument("--bound", action="store_true",
                     help="instead of the timeline, time issue 7's bound: blocks of megakernel calls and of "
-                         "torch._grouped_mm alone (A B B A), each after --bound-warmup untimed calls")
-    ap.add_argument("--bound-warmup", type=int, default=100, help="untimed calls before each --bound block")
+                         "torch._grouped_mm alone (A B B A), each after --block-warmup untimed calls")
+    ap.add_argument("--blocks", action="store_true",
+                    help="--ab / --ab-settings in blocks A B B A, each after --block-warmup untimed calls, "
+                         "instead of call by call (keeps a difference in energy per call under the power cap)")
+    ap.add_argument("--block-warmup", type=int, default=100, help="untimed calls before each block")
     ap.add_argument("--rounds", type=int, default=40, help="rounds of --ab, --ab-settings and --bound")
     ap.add_argument("--training", action="store_true",
                     help="forward with grad: the launch also writes the activations the backward reads")
@@ -343,7 +355,8 @@ def main() -> None:
             return (text, lambda: mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg, backend="megakernel"))
         os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
         with torch.set_grad_enabled(args.training):
-            ab_timing([variant(t) for t in args.ab_settings], args.rounds, distributed, rank, f"L={L} settings")
+            ab_timing([variant(t) for t in args.ab_settings], args.rounds, distributed, rank, f"L={L} settings",
+                      args.block_warmup if args.blocks else 0)
         if distributed:
             dist.destroy_process_group()
         return
@@ -358,7 +371,7 @@ def main() -> None:
         os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
         with torch.set_grad_enabled(args.training):
             bound_timing(lambda: mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg, backend="megakernel"),
-                         gemms_alone_call(int(counts.sum()), counts, fc1, fc2), args.rounds, args.bound_warmup,
+                         gemms_alone_call(int(counts.sum()), counts, fc1, fc2), args.rounds, args.block_warmup,
                          distributed, rank, f"L={L} {args.settings[0]}{' training' if args.training else ''}")
         if distributed:
             dist.destroy_process_group()
@@ -380,7 +393,8 @@ def main() -> None:
                 return (f"{name}={value}", run)
             os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
             with torch.set_grad_enabled(args.training):
-                ab_timing([with_env(v) for v in vals.split(",")], args.rounds, distributed, rank, f"L={L} {text}")
+                ab_timing([with_env(v) for v in vals.split(",")], args.rounds, distributed, rank, f"L={L} {text}",
+                          args.block_warmup if args.blocks else 0)
             continue
         with torch.set_grad_enabled(args.training):
             os.environ["MOK_MEGAKERNEL_TRACE"] = "0"

@@ -512,6 +512,17 @@ def test_tune_without_a_gpu_says_so(capsys, monkeypatch):
     assert "must be COMM:MINIBATCH:RING" in capsys.readouterr().out
 
 
+def test_block_rounds_time_a_b_b_a_blocks_after_their_warmup():
+    from megatron_mok.bench.timing import block_rounds
+
+    calls = []
+    variants = [("a", lambda: calls.append("a")), ("b", lambda: (calls.append("b"), time.sleep(0.002)))]
+    times = block_rounds(variants, 3, None, torch.device("cpu"), warmup=2)
+    assert calls == ["a"] * 5 + ["b"] * 10 + ["a"] * 5  # each block: 2 untimed, then 3 timed calls
+    assert sorted(times) == ["a", "b"] and len(times["a"]) == len(times["b"]) == 6
+    assert all(t >= 2.0 for t in times["b"]) and all(0 <= t < 2.0 for t in times["a"])
+
+
 def test_interleaved_rounds_alternate_the_order_and_drop_the_warmup():
     from megatron_mok.bench.timing import interleaved_rounds
 

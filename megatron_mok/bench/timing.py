@@ -124,3 +124,25 @@ def interleaved_rounds(variants: Sequence[Tuple[str, Callable[[], object]]], rou
             if r >= warmup:
                 times[name].append(float(ms))
     return times
+
+
+def block_rounds(variants: Sequence[Tuple[str, Callable[[], object]]], rounds: int,
+                 group: Optional[dist.ProcessGroup], device: torch.device, *, warmup: int = 100,
+                 setup: Optional[Callable[[], None]] = None) -> Dict[str, List[float]]:
+    """Times two (name, call) variants in blocks, in the order A B B A: each block runs
+    ``warmup`` untimed calls of one variant, then ``rounds`` timed ones, each call alone as in
+    :func:`interleaved_rounds`.
+
+    Under a power cap each variant then runs at the clock its own load holds. Alternating call
+    by call averages that away: one variant's low-power phases lend clock to the other's next
+    call, so a variant that spends less energy per call looks no faster than one that spends
+    more (docs/perf-notes.md, eleventh session). The A B B A order cancels a linear drift.
+
+    Returns:
+        {name: [ms of each timed call]}, 2 * ``rounds`` values each, in call order.
+    """
+    (name_a, call_a), (name_b, call_b) = variants
+    times: Dict[str, List[float]] = {name_a: [], name_b: []}
+    for name, call in ((name_a, call_a), (name_b, call_b), (name_b, call_b), (name_a, call_a)):
+        times[name] += interleaved_rounds([(name, call)], rounds, group, device, warmup=warmup, setup=setup)[name]
+    return times
