@@ -31,5 +31,5 @@ cd "$(dirname "$0")/.."
 set -x
 "$python" -m torch.distributed.run --nproc-per-node "$ngpu" -m megatron_mok.bench layer \
   --shape kimi-k2 deepseek-v3 --tokens 4096 --experts-per-gpu "${per_gpu[@]}" \
-  --routing uniform --warmup 3 --iters 10 --check-tokens 256 \
+  --routing uniform --warmup 10 --iters 10 --check-tokens 256 \
   --out "$out" --name "layer-h200x$ngpu" "$@"

@@ -30,7 +30,7 @@ timeout 240 "$py" -m pytest -q -rs -p no:warnings --timeout=200 -m gpun tests/te
 step "2. layer benchmark on $n GPUs"
 timeout 180 "$py" -m torch.distributed.run --nproc-per-node "$n" -m megatron_mok.bench layer \
   --shape kimi-k2 deepseek-v3 --tokens 4096 --experts-per-gpu full 6 --routing uniform \
-  --backends mok-megakernel,mok-cuda,a2a-grouped-mm --warmup 3 --iters 10 --check-tokens 256 \
+  --backends mok-megakernel,mok-cuda,a2a-grouped-mm --warmup 10 --iters 10 --check-tokens 256 \
   --out "$out" --name "layer-h200x$n" 2>&1 | grep -v "Warning\|warnings.warn" | tail -30
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
 

@@ -69,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of tokens that pick the hot expert 0, for --routing hot")
     p.add_argument("--backends", default="all",
                    help="'all' or a comma-separated list of: " + ", ".join(BACKENDS))
-    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per backend")
+    p.add_argument("--warmup", type=int, default=10,
+                   help="untimed iterations per backend (enough for the card to reach the power state it "
+                        "holds under that backend's load: an H200 at its 700 W cap runs the first calls "
+                        "after idle at a higher clock)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per backend")
     p.add_argument("--check-tokens", type=int, default=256,
                    help="tokens per GPU of the correctness check against the reference (0: no check)")

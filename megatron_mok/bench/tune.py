@@ -107,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--candidates", nargs="+", default=None, help="COMM:MINIBATCH:RING[:PAIRS] settings to try (PAIRS: on, off, auto)")
     ap.add_argument("--no-grad", action="store_true",
                     help="time the forward without grad (inference); default: with grad, as in training")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=60,
+                    help="untimed calls per candidate, enough for the card to reach the power state it holds "
+                         "under that candidate's load (~0.4 s; under the 700 W cap of an H200 the first "
+                         "calls after another candidate or after idle run at another clock)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default="mok-tuned.args", help="args file to write (rank 0)")
