@@ -25,7 +25,7 @@ HEURISTIC_TILE_COLS = 256
 COMM_SMS_DEFAULT = 10
 # Mean routed rows per local expert at or below which the forward is bound by reading expert
 # weights (Kimi-K2 and DeepSeek-V3 at EP 2: ~170 and 256 rows per expert); there the megakernel
-# runs in pairs of CTAs (megakernel_backend.use_pairs) and with fewer comm SMs.
+# runs with fewer comm SMs.
 WEIGHT_BOUND_ROWS_PER_EXPERT = 256
 # Comm SMs of the forward megakernel in that regime: the pulls keep ahead of tiles that wait on
 # weights with 8, and the two SMs more for tiles bought 0.08-0.12 ms (1-1.5%) at 192 and 128
@@ -76,9 +76,8 @@ class MoKConfig:
 
     megakernel_pairs: Optional[bool] = None
     """Megakernel only: run the launch in clusters of two CTAs that take pairs of row blocks
-    and share each weight tile (pair mode, docs/megakernel.md). ``None``: when the mean routed
-    rows per local expert are at most 256 (the weight-bound regime, where it measured faster;
-    decided per call from the shape, so :meth:`resolve` leaves it ``None``); ``True`` /
+    and share each weight tile (pair mode, docs/megakernel.md). ``None`` (auto): on, since it
+    measured faster at every expert load (``megakernel_backend.use_pairs``); ``True`` /
     ``False``: always / never. The launch runs single CTAs whenever the grid or the comm-SM
     count is odd. Results are bitwise the same either way."""
 
@@ -108,8 +107,8 @@ class MoKConfig:
         _check_optional_int(self, "num_experts", minimum=1)
         if self.megakernel_pairs is not None and not isinstance(self.megakernel_pairs, bool):
             raise MoKConfigError(
-                f"MoKConfig.megakernel_pairs={self.megakernel_pairs!r} must be None (chosen from the "
-                f"shape), True or False"
+                f"MoKConfig.megakernel_pairs={self.megakernel_pairs!r} must be None (auto: on), "
+                f"True or False"
             )
         t = self.tile_rows
         if isinstance(t, bool) or not isinstance(t, int) or t < 1 or t > MAX_TILE_ROWS or t & (t - 1):
@@ -186,8 +185,8 @@ class MoKConfig:
           (local copies), so the default does not depend on P. The backward's default is 10.
           This is the count of a forward that saves activations (grad on); one that saves none
           takes :data:`COMM_SMS_FEWER_WITHOUT_GRAD` fewer (:meth:`forward_comm_sms`).
-        * ``megakernel_pairs`` stays as given: ``None`` is decided per call from the routed
-          rows per expert (``megakernel_backend.use_pairs``).
+        * ``megakernel_pairs`` stays as given: ``None`` asks for pair mode
+          (``megakernel_backend.use_pairs``).
         * minibatch: the smallest multiple of ``tile_rows`` whose fc1 (N = 2 * ffn_hidden) and
           fc2 (N = hidden) tile grids, in tiles of ``tile_rows`` x 256, each give every compute
           SM at least two waves.

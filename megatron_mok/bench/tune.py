@@ -140,7 +140,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     base = MoKConfig(max_tokens_per_rank=T)
     if candidates is None:
         default = megakernel_backend.resolve_tunables(base, call_shape, env.world, sms)
-        candidates = default_candidates(default.minibatch_rows, megakernel_backend.use_pairs(call_shape),
+        candidates = default_candidates(default.minibatch_rows, megakernel_backend.use_pairs(),
                                         base.forward_comm_sms(default, saves_activations=not args.no_grad))
     ids, weights = make_routing(RoutingSpec(kind=args.routing), T, case.num_experts, K,
                                 seed=args.seed + env.rank, device=env.device)
@@ -161,7 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             try:
                 resolved = megakernel_backend.resolve_tunables(cfg, call_shape, env.world, sms)
                 # Pin pair mode to what this candidate runs, so the args file says it.
-                resolved = dataclasses.replace(resolved, megakernel_pairs=megakernel_backend.use_pairs(call_shape, cfg))
+                resolved = dataclasses.replace(resolved, megakernel_pairs=megakernel_backend.use_pairs(cfg))
             except MoKConfigError as err:
                 results.append((cand, None, None, f"rejected: {err}"))
                 continue

@@ -34,7 +34,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..config import WEIGHT_BOUND_ROWS_PER_EXPERT, MoKConfig, MoKConfigError
+from ..config import MoKConfig, MoKConfigError
 from ..ops import megakernel as mk_ops
 from . import cuda_backend
 from .groups import EPGroup, LocalEPRank, group_size_rank
@@ -107,13 +107,14 @@ def resolve_tunables(config: MoKConfig, shape: MoEShape, ep_size: int, num_sms: 
     return resolved
 
 
-PAIR_ROWS_PER_EXPERT = WEIGHT_BOUND_ROWS_PER_EXPERT
+PAIRS_BY_DEFAULT = True
 """Pair mode (clusters of two CTAs sharing each weight tile, docs/megakernel.md) is asked for
-when the mean rows per local expert are at most this (256): the weight-bound regime (Kimi-K2
-and DeepSeek-V3 at EP 2: ~170 and ~256 rows). At 192 experts per GPU it measured 1.5-7% faster
-on two x2 machines of three and 2% slower on the third (128 per GPU: that third machine only, 2%
-slower); with more rows per expert (48 and 6 per GPU) 0.2-1.7% slower on every machine
-(docs/perf-notes.md, ninth session)."""
+in every regime unless ``MoKConfig.megakernel_pairs`` says otherwise. Timed with each mode in
+its own steady state (blocks A B B A after 100 untimed calls; the card runs at its power cap)
+pairs were faster at every load: -0.30 / -0.14 / -0.21 ms at 192 / 48 / 6 experts per GPU
+without grad, -0.47 / -0.19 ms at 192 / 6 with it (docs/perf-notes.md, twelfth session). Until
+then it was asked for only at most 256 rows per expert: call-by-call timings, where both modes
+run at the clock the previous call left, had found it 0.2-1.7% slower at 48 and 6 per GPU."""
 
 
 def rows_per_expert(shape: MoEShape) -> float:
@@ -122,12 +123,12 @@ def rows_per_expert(shape: MoEShape) -> float:
     return shape.tokens * shape.topk / shape.experts_per_rank
 
 
-def use_pairs(shape: MoEShape, config: Optional[MoKConfig] = None) -> bool:
-    """Whether the launch asks for pair mode: ``config.megakernel_pairs`` when set, else when
-    :func:`rows_per_expert` is at most :data:`PAIR_ROWS_PER_EXPERT`."""
+def use_pairs(config: Optional[MoKConfig] = None) -> bool:
+    """Whether the launch asks for pair mode: ``config.megakernel_pairs`` when set, else
+    :data:`PAIRS_BY_DEFAULT`."""
     if config is not None and config.megakernel_pairs is not None:
         return config.megakernel_pairs
-    return rows_per_expert(shape) <= PAIR_ROWS_PER_EXPERT
+    return PAIRS_BY_DEFAULT
 
 
 def ring_bytes(ring_rows: int, hidden: int, ffn_hidden: int) -> int:
@@ -249,7 +250,7 @@ def megakernel_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_grou
                                    fused_swiglu=cuda_backend.fused_swiglu_apply(shape, BLOCK_ROWS))
     num_ctas = share if isinstance(ep_group, LocalEPRank) else 0
     call = _Call(ws=ws, ring=ring, config=resolved, num_ctas=num_ctas, timeout_s=float(config.timeout_s),
-                 cuda_call=cuda_call, pairs=use_pairs(shape, resolved),
+                 cuda_call=cuda_call, pairs=use_pairs(resolved),
                  comm_ctas_no_grad=config.forward_comm_sms(resolved, saves_activations=False))
     x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
     # Segments stay where they are when the backward's GEMMs can read them too; else one copy.

@@ -60,8 +60,8 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "two minibatches; default: four minibatches).")
     group.add_argument("--mok-megakernel-pairs", choices=("auto", "on", "off"), default="auto",
                        help="Run the megakernel in clusters of two CTAs that share each weight tile "
-                            "(auto: when the mean routed rows per local expert are at most 256, the "
-                            "weight-bound regime; `python -m megatron_mok.bench tune` measures both).")
+                            "(auto: on, faster at every measured expert load; "
+                            "`python -m megatron_mok.bench tune` measures both).")
     group.add_argument("--mok-tile-rows", type=int, default=128,
                        help="GEMM row-block height; expert segments are padded to it (GPU "
                             "backends: 64 or 128).")
