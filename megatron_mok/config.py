@@ -19,25 +19,23 @@ GPU_TILE_ROWS = (64, 128)
 MAX_TILE_ROWS = 256
 # GEMM tile used by the heuristic: 128 rows x 256 output columns per compute SM and tile.
 HEURISTIC_TILE_COLS = 256
-# Comm SMs of the megakernel (split into pull and push CTAs by the bytes each side moves): with
-# that split 10 was level with 12 on two H200s at 6 experts per GPU and 0.22 ms (2.6%) faster at
-# 192, with the training copies; 8 was 0.5 ms slower at 6 (docs/perf-notes.md, eighth session).
-COMM_SMS_DEFAULT = 10
+# Comm SMs of the megakernel. Its forward's comm SMs only pull (fc2's epilogue pushes the output
+# rows home, twelfth session) and, for a forward that saves activations (grad on), write every
+# pulled row twice (the ring and the training copy). Measured with grad on two H200s in blocks
+# (docs/perf-notes.md, twelfth session): at 6 experts per GPU 8 were 0.067 ms faster than 6;
+# at 192, 6 were 0.51 ms faster than 4. The backward's default (no backend reads it yet) is 10.
+COMM_SMS_DEFAULT = 8
+COMM_SMS_BACKWARD = 10
 # Mean routed rows per local expert at or below which the forward is bound by reading expert
-# weights (Kimi-K2 and DeepSeek-V3 at EP 2: ~170 and 256 rows per expert); there the megakernel
-# runs with fewer comm SMs.
+# weights (Kimi-K2 and DeepSeek-V3 at EP 2: ~170 and 256 rows per expert): a tile waits on HBM,
+# so the pulls have more time per row and the forward takes fewer comm SMs.
 WEIGHT_BOUND_ROWS_PER_EXPERT = 256
-# Comm SMs of the forward megakernel in that regime: the pulls keep ahead of tiles that wait on
-# weights with 8, and the two SMs more for tiles bought 0.08-0.12 ms (1-1.5%) at 192 and 128
-# experts per GPU, with and without the training copies (paired, docs/perf-notes.md, tenth
-# session; the ninth session's tune run: 7.10 against 7.63 ms).
-COMM_SMS_WEIGHT_BOUND = 8
+# Comm SMs of the forward in that regime (with grad). Before the twelfth session, with push
+# CTAs, 8 comm SMs of which 5 pulled were best there (tenth session).
+COMM_SMS_WEIGHT_BOUND = 6
 # A forward without grad saves no activations for the backward: its pulls write each row once
-# instead of twice, so its comm CTAs move 4 bytes for every 5 of a training forward, and two
-# comm SMs fewer keep up. Paired, without grad: 6 against 8 comm SMs at 192 and 128 experts per
-# GPU -0.109 / -0.074 ms, 8 against 10 at 48 and 6 per GPU -0.087 / -0.030 ms; two fewer again
-# were 0.29-1.8 ms slower, and with grad 6 against 8 at 192 was 0.96 ms slower
-# (docs/perf-notes.md, eleventh session).
+# instead of twice, and two comm SMs fewer keep up: 4 at 192 per GPU (2 were 1.36 ms slower),
+# 6 at 6 per GPU (level with 4 on one machine, 0.025 ms faster on another; twelfth session).
 COMM_SMS_FEWER_WITHOUT_GRAD = 2
 H200_NUM_SMS = 132
 
@@ -56,9 +54,9 @@ class MoKConfig:
     """
 
     comm_sms_forward: Optional[int] = None
-    """SMs of the persistent forward kernel that only move data: some pull dispatch rows, the
-    others push combine rows (split by the bytes each side moves). At least 2 and fewer than
-    the device's SM count."""
+    """SMs of the persistent forward kernel that only move data: they pull dispatch rows (the
+    compute SMs push the combine rows from fc2's epilogue). At least 2 and fewer than the
+    device's SM count."""
 
     comm_sms_backward: Optional[int] = None
     """Same as ``comm_sms_forward``, for the backward kernels. Checked like it, but no backend
@@ -175,16 +173,15 @@ class MoKConfig:
 
         Heuristic (documented in docs/architecture.md):
 
-        * comm SMs: :data:`COMM_SMS_DEFAULT` (10), or :data:`COMM_SMS_WEIGHT_BOUND` (8) when
-          ``rows_per_expert`` is at most :data:`WEIGHT_BOUND_ROWS_PER_EXPERT`; at most a
-          quarter of the SMs; split into pull and push CTAs by the bytes each side moves.
-          Measured on two H200s (docs/perf-notes.md): a comm SM moving rows with TMA bulk
-          copies reads ~35-40 GB/s of rows; with the split by bytes 10 keep the pulls ahead of
-          the GEMMs and 8 starve them at 6 experts per GPU, while in the weight-bound regime 8
-          are enough and the two SMs are worth more as compute; the same rows move at P = 1
-          (local copies), so the default does not depend on P. The backward's default is 10.
-          This is the count of a forward that saves activations (grad on); one that saves none
-          takes :data:`COMM_SMS_FEWER_WITHOUT_GRAD` fewer (:meth:`forward_comm_sms`).
+        * comm SMs: the forward :data:`COMM_SMS_DEFAULT` (8), or :data:`COMM_SMS_WEIGHT_BOUND`
+          (6) when ``rows_per_expert`` is at most :data:`WEIGHT_BOUND_ROWS_PER_EXPERT`; the
+          backward :data:`COMM_SMS_BACKWARD` (10); at most a quarter of the SMs. The forward's
+          comm SMs only pull (a comm SM moving rows with TMA bulk copies reads ~35 GB/s of
+          rows, docs/perf-notes.md); in the weight-bound regime a tile waits on HBM, so fewer
+          keep ahead of the GEMMs. The same rows move at P = 1 (local copies), so the default
+          does not depend on P. This is the count of a forward that saves activations (grad
+          on); one that saves none takes :data:`COMM_SMS_FEWER_WITHOUT_GRAD` fewer
+          (:meth:`forward_comm_sms`).
         * ``megakernel_pairs`` stays as given: ``None`` asks for pair mode
           (``megakernel_backend.use_pairs``).
         * minibatch: the smallest multiple of ``tile_rows`` whose fc1 (N = 2 * ffn_hidden) and
@@ -201,11 +198,12 @@ class MoKConfig:
                 local experts), if known; picks the forward's comm-SM default.
         """
         self.check_device(num_sms)
-        default_comm = max(2, min(COMM_SMS_DEFAULT, num_sms // 4))
+        def default(count: int) -> int:
+            return max(2, min(count, num_sms // 4))
         weight_bound = rows_per_expert is not None and rows_per_expert <= WEIGHT_BOUND_ROWS_PER_EXPERT
-        default_comm_fwd = max(2, min(COMM_SMS_WEIGHT_BOUND, num_sms // 4)) if weight_bound else default_comm
-        comm_fwd = self.comm_sms_forward if self.comm_sms_forward is not None else default_comm_fwd
-        comm_bwd = self.comm_sms_backward if self.comm_sms_backward is not None else default_comm
+        default_fwd = default(COMM_SMS_WEIGHT_BOUND if weight_bound else COMM_SMS_DEFAULT)
+        comm_fwd = self.comm_sms_forward if self.comm_sms_forward is not None else default_fwd
+        comm_bwd = self.comm_sms_backward if self.comm_sms_backward is not None else default(COMM_SMS_BACKWARD)
         minibatch = self.minibatch_rows
         if minibatch is None:
             minibatch = default_minibatch_rows(

@@ -5,14 +5,14 @@ timeline summary (docs/megakernel.md, "Timeline").
     torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 6 ...   (P = 2)
 
     torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 6 \
-        --ab MOK_MEGAKERNEL_PUSH_HELPERS=1,0 --rounds 40     (paired A/B timing of a switch)
+        --ab MOK_MEGAKERNEL_PAIRS=0,1 --blocks --rounds 30   (A/B timing of a switch)
     torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 6 --ab-settings 12:: 8::
     torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 192 --bound   (issue 7's bound)
 
 Each setting is comm_ctas:minibatch_rows:ring_rows (empty fields: the defaults). Per setting and
-rank it prints: the span of the launch and of its phases (first tile, last tile, last push,
-combine-done, slot sum), per item kind the count, mean wait for the input and mean run time
-(and the rate it means), the compute CTAs' busy share and their stalls by the kind of tile
+rank it prints: the span of the launch and of its phases (first tile, last tile (its epilogue
+pushes the rows home), combine-done, slot sum), per item kind the count, mean wait for the input
+and mean run time (and the rate it means), the compute CTAs' busy share and their stalls by the kind of tile
 they waited for, the tile boundaries (when the next tile was taken, had its input and started,
 after the previous one ended; per CTA of a pair), and the first and last minibatches'
 milestones. With --out DIR it also saves
@@ -50,7 +50,7 @@ from megatron_mok.bench.tune import Candidate  # noqa: E402
 from megatron_mok.functional import check_errors, megakernel_backend, mok_moe  # noqa: E402
 from megatron_mok.ops import megakernel as mk_ops  # noqa: E402
 
-KINDS = {1: "fc1", 2: "fc2", 3: "pull", 4: "push", 6: "part"}  # part: 16 rows of a first block's pull
+KINDS = {1: "fc1", 2: "fc2", 3: "pull", 6: "part"}  # part: 16 rows of a first block's pull
 
 
 def decode(records: np.ndarray):
@@ -122,11 +122,11 @@ def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_row
     kinds = items["kind"]
     out.append(f"span {span:.3f} ms | last fc1 {items['done'][kinds == 1].max():.3f} | last fc2 "
                f"{items['done'][kinds == 2].max():.3f} | last pull {items['done'][np.isin(kinds, (3, 6))].max():.3f} | "
-               f"last push {items['done'][kinds == 4].max():.3f} | combine-done seen {ctas['combine'].min():.3f}"
+               f"combine-done seen {ctas['combine'].min():.3f}"
                f"-{ctas['combine'].max():.3f} | slot sum ends {ctas['end'].max():.3f} | CTA starts "
                f"{ctas['start'].min():.3f}-{ctas['start'].max():.3f}")
     flop = {1: 2 * 128 * 256 * H, 2: 2 * 128 * 256 * I}
-    byts = {3: 2 * 128 * H * 2, 4: 2 * 128 * H * 2, 6: 2 * 16 * H * 2}  # read + write of the item's rows
+    byts = {3: 2 * 128 * H * 2, 6: 2 * 16 * H * 2}  # read + write of the item's rows
     for k, name in KINDS.items():
         sel = kinds == k
         if not sel.any():
@@ -169,7 +169,7 @@ def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_row
     out.append("tile boundaries (medians):")
     out += tile_boundaries(items, pairs)
     tail = ctas["end"].max() - items["done"][comp].max()
-    out.append(f"after the last tile: {tail:.3f} ms (last push, combine-done, slot sum)")
+    out.append(f"after the last tile: {tail:.3f} ms (combine-done, slot sum)")
     # Minibatch milestones.
     mb_blocks = mb_rows // 128
     mb = items["block"] // mb_blocks
@@ -187,18 +187,18 @@ def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_row
             sel = of(k)
             return items["start"][sel].min() if sel.any() else float("nan")
         rows.append(f"mb {m:3d}: pull {first(3):7.3f}-{last(3):7.3f} fc1 {first(1):7.3f}-{last(1):7.3f} "
-                    f"fc2 {first(2):7.3f}-{last(2):7.3f} push {first(4):7.3f}-{last(4):7.3f}")
+                    f"fc2 {first(2):7.3f}-{last(2):7.3f}")
     out.append(f"{n_mb} minibatches of {mb_blocks} blocks (ms):")
     out.extend("  " + r for r in rows)
     return out
 
 
 def chart(items, ctas, path: str, title: str) -> None:
-    """Per-CTA timeline: one row per CTA, a bar per item (fc1, fc2, pull, push, slot sum)."""
+    """Per-CTA timeline: one row per CTA, a bar per item (fc1, fc2, pull, slot sum)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    colors = {1: "tab:blue", 2: "tab:green", 3: "tab:orange", 4: "tab:red", 6: "tab:olive"}
+    colors = {1: "tab:blue", 2: "tab:green", 3: "tab:orange", 6: "tab:olive"}
     fig, ax = plt.subplots(figsize=(14, 8))
     for k, name in KINDS.items():
         sel = items["kind"] == k

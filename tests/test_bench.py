@@ -469,16 +469,16 @@ def test_tune_candidates_parse_and_name_bad_input():
         Candidate.parse("10:::yes")
     for default_pairs in (True, False):
         cands = default_candidates(2048, default_pairs)
-        assert [c.comm_sms for c in cands] == [6, 8, 10, 12, 10, 10]
+        assert [c.comm_sms for c in cands] == [4, 6, 8, 10, 8, 8]
         assert all(c.ring_rows == 4 * c.minibatch_rows for c in cands)
         assert cands[4].minibatch_rows == 4096
         # The shape's own pair mode for all but the last, which tries the other one.
         assert [c.pairs for c in cands] == [None] * 5 + [not default_pairs]
         assert cands[5].minibatch_rows == 2048
-    # In the weight-bound regime the default is 8 comm SMs (6 without grad); the last two
+    # In the weight-bound regime the default is 6 comm SMs (4 without grad); the last two
     # candidates follow it.
-    assert [c.comm_sms for c in default_candidates(2048, True, 8)] == [6, 8, 10, 12, 8, 8]
-    assert [c.comm_sms for c in default_candidates(2048, True, 6)] == [6, 8, 10, 12, 6, 6]
+    assert [c.comm_sms for c in default_candidates(2048, True, 6)] == [4, 6, 8, 10, 6, 6]
+    assert [c.comm_sms for c in default_candidates(2048, True, 4)] == [4, 6, 8, 10, 4, 4]
 
 
 def test_tune_args_file_holds_the_winner_as_megatron_flags(tmp_path):

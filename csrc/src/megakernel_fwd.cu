@@ -2,13 +2,13 @@
 //
 // One persistent launch of one CTA per SM (three warpgroups, the grouped GEMMs' shared-memory
 // plan). Each CTA takes a ticket when it starts: the first comm_ctas tickets become comm CTAs
-// (pull and push row blocks, all 12 warps on one block at a time), the others compute CTAs (a
-// TMA producer thread and two wgmma consumer warpgroups on fc1/fc2 tiles). Roles by ticket,
-// not by blockIdx, so whichever CTAs run first include the comm CTAs: the launch makes
-// progress with any number of resident CTAs above comm_ctas. A compute CTA whose queue is empty
-// helps with the pushes that are left; then every CTA joins the combine-done wait and the slot
-// sum with all its threads. Every delivered push is counted; whoever counts the last one raises
-// the combine-done flags on every rank.
+// (pull row blocks, all 12 warps on one block at a time), the others compute CTAs (a TMA
+// producer thread and two wgmma consumer warpgroups on fc1/fc2 tiles; fc2's epilogue pushes the
+// output rows home). Roles by ticket, not by blockIdx, so whichever CTAs run first include the
+// comm CTAs: the launch makes progress with any number of resident CTAs above comm_ctas. Once
+// its queue is empty every CTA joins the combine-done wait and the slot sum with all its
+// threads. Every compute CTA counts its fc2 tiles as delivered at its end; whoever completes
+// the count raises the combine-done flags on every rank.
 //
 // Kernel-boundary reasoning (what this launch may read without in-kernel synchronisation):
 // the schedule (table, offsets, counts) and the counter reset + epoch come from earlier
@@ -30,6 +30,7 @@
 #include "mok/gemm/host.cuh"
 #include "mok/megakernel.h"
 #include "mok/megakernel/plan.cuh"
+#include "mok/megakernel/push.cuh"
 #include "mok/megakernel/rows.cuh"
 #include "mok/megakernel/slot_sum.cuh"
 #include "mok/megakernel/sync.cuh"
@@ -55,11 +56,9 @@ struct KernelParams {
   Trace trace;
   int P, rank, L, T, E;
   int comm_ctas;
-  int pull_ctas;     // comm CTAs that pull; the other comm CTAs push
   int first_minibatches;  // minibatches whose blocks every CTA pulls in parts at the start
   int mb_blocks, slots, n1, n2;
   int bulk_copies;   // 1: comm CTAs move rows with TMA bulk copies; 0: through registers
-  int push_helpers;  // 1: compute CTAs serve the push queue after their tiles
   int pairs;         // 1: launched in clusters of two that run pair tiles (plan.cuh)
 };
 
@@ -86,14 +85,6 @@ __device__ __forceinline__ Deadline deadline_of(const KernelParams& p) {
   return Deadline{p.status, p.timeout_ns, p.rank};
 }
 
-// Every rank's combine-done flag for this rank: the epoch, stored after a system-scope fence.
-// Called once per launch, by the thread that counted the last delivered push (or, when this rank
-// computes no rows at all, by the first comm CTA).
-__device__ __forceinline__ void raise_combine_done(const KernelParams& p, uint64_t epoch) {
-  fence_acq_rel_sys();
-  for (int q = 0; q < p.P; ++q) st_release_sys_u64(reinterpret_cast<uint64_t*>(p.signal_bases[q]) + p.rank, epoch);
-}
-
 // The next position of a queue if it is below `limit` (it is then taken), else `limit`. Others
 // may take positions with atomicAdd meanwhile: compare-and-swap only takes a position it saw.
 __device__ __forceinline__ int take_below(int32_t* next, int limit) {
@@ -106,20 +97,18 @@ __device__ __forceinline__ int take_below(int32_t* next, int limit) {
   return limit;
 }
 
-// Trace record of a comm item (trace.cuh): pulls and pushes by block, first-pull parts after
-// the CTAs' records.
+// Trace record of a comm item (trace.cuh): pulls by block, first-pull parts after the CTAs'
+// records.
 __device__ __forceinline__ int64_t comm_record(const Plan& plan, const Item& it, int index) {
   const int64_t base = compute_records(plan);
   if (it.kind == kPull) return base + it.block;
-  if (it.kind == kPush) return base + plan.n_blocks + it.block;
   return base + comm_items(plan) + gridDim.x + index;
 }
 
-// All threads of a CTA serving a comm queue: every CTA the first-pull queue when it starts; the
-// comm CTAs then the pull or the push queue, and after their tiles the compute CTAs the push
-// queue. Thread 0 takes the next item and waits for its input; the 12 warps copy the item's
-// rows; thread 0 releases the block's counter. The CTA's stage area holds the warps' copy
-// chunks (a compute CTA has no tile in flight before its first or after its last). A CTA takes
+// All threads of a CTA serving a pull queue: every CTA the first-pull queue when it starts, the
+// comm CTAs then the pull queue. Thread 0 takes the next item and waits for its slot; the 12
+// warps copy the item's rows; thread 0 releases the block's counter. The CTA's stage area holds
+// the warps' copy chunks (a compute CTA has no tile in flight before its first). A CTA takes
 // no item at or past `limit` (the queue's end by default).
 __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Plan& plan, CtaShared& sh,
                                                  uint8_t* stage_area, int queue, int limit = INT32_MAX) {
@@ -127,7 +116,7 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
   const int items = queue_items(plan, queue);
   const bool bounded = limit < items;
   const int total = bounded ? limit : items;
-  int32_t* next = &p.counters[queue == kPullQueue ? kPullNext : queue == kPushQueue ? kPushNext : kFirstPullNext];
+  int32_t* next = &p.counters[queue == kPullQueue ? kPullNext : kFirstPullNext];
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32, lane = threadIdx.x % 32;
   int64_t record = -1;
   CopyPipe pipe{stage_area + warp * kCopyWarpBytes, &sh.copy_bars[warp * kCopyStages], 0};
@@ -147,8 +136,8 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
         record = comm_record(plan, it, i);
         p.trace.stamp(record, kTrTake);
         const Wait w = wait_of(plan, it);
-        const int site = it.kind == kPush ? MOK_SITE_MK_PUSH_WAITS_FC2 : MOK_SITE_MK_PULL_WAITS_SLOT;
-        if (!wait_counter(p.counters + counter_index(w.counter, w.slot, plan.slots), w.target, d, site))
+        if (!wait_counter(p.counters + counter_index(w.counter, w.slot, plan.slots), w.target, d,
+                          MOK_SITE_MK_PULL_WAITS_SLOT))
           it.kind = kEnd;
         if (p.trace.on()) {
           p.trace.stamp(record, kTrReady);
@@ -162,37 +151,15 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
     const Item it = sh.comm_item;
     if (it.kind == kEnd) break;
     const int slot = it.block % plan.slots;
-    if (it.kind == kPull || it.kind == kPullPart) {
-      constexpr int kPartRows = kBlockRows / kFirstPullParts;
-      const RowRange range = it.kind == kPull ? kWholeBlock : RowRange{it.col * kPartRows, kPartRows};
-      pull_rows(p.rows, it.block, range, slot, warp, warps, lane, bulk);
-      fence_proxy_async_global();  // fc1 reads these rows with TMA
-    } else {
-      push_block(p.rows, it.block, slot, warp, warps, lane, bulk);
-    }
-    __syncthreads();  // every row of the block written (pull) or read and sent (push)
+    constexpr int kPartRows = kBlockRows / kFirstPullParts;
+    const RowRange range = it.kind == kPull ? kWholeBlock : RowRange{it.col * kPartRows, kPartRows};
+    pull_rows(p.rows, it.block, range, slot, warp, warps, lane, bulk);
+    fence_proxy_async_global();  // fc1 reads these rows with TMA
+    __syncthreads();  // every row of the block written
     if (threadIdx.x == 0) {
       red_release_gpu_add(p.counters + counter_index(signal_counter(it.kind), slot, plan.slots),
                           signal_amount(it.kind));
       p.trace.stamp(record, kTrDone);
-    }
-    if (it.kind == kPush) {
-      // Delivered: the block's stores have reached the home ranks (a system-scope fence in every
-      // thread that stored, after its bulk stores completed; then the CTA barrier and the
-      // count, acq_rel, cumulative). Whoever counts the last block has acquired every other
-      // delivery, and its system-scope fence and release stores make all of this rank's pushes
-      // (and, through the counters, its pulls) happen-before each peer's acquire of the flag.
-      // After a timeout the flags stay unset: peers time out too.
-      if (bulk != nullptr && lane == 0) {
-        g::bulk_wait();
-        fence_proxy_async_global();
-      }
-      __threadfence_system();
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        const int before = atom_add_acq_rel_gpu(&p.counters[kPushesDone], 1);
-        if (before == plan.n_blocks - 1 && !timeout_recorded(p.status)) raise_combine_done(p, sh.epoch);
-      }
     }
   }
 }
@@ -242,14 +209,16 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     p.trace.put(cta_record, kTrCta, blockIdx.x);
   }
   // Every CTA pulls the first blocks, in parts, before it takes its role: nothing can be
-  // computed before they land, and the pull CTAs then start on the blocks after them.
+  // computed before they land, and the comm CTAs then start on the blocks after them.
   serve_first_pulls(p, plan, sh, ring1.a(0), sh.ticket >= p.comm_ctas);
   if (sh.ticket < p.comm_ctas) {
-    serve_comm_queue(p, plan, sh, ring1.a(0), sh.ticket < p.pull_ctas ? kPullQueue : kPushQueue);
+    serve_comm_queue(p, plan, sh, ring1.a(0), kPullQueue);
     if (threadIdx.x == 0) p.trace.stamp(cta_record, kTrReady);
-    // No rows routed to this rank: no push will count the last delivery.
+    // No rows routed to this rank: no fc2 tile will complete the count of deliveries. (Every
+    // pull happens-before the fc2 tiles of its block through the counters, so the flags also
+    // say that this rank has read everything it pulls from its peers.)
     if (plan.n_blocks == 0 && sh.ticket == 0 && threadIdx.x == 0 && !timeout_recorded(p.status))
-      raise_combine_done(p, sh.epoch);
+      raise_combine_done(p.signal_bases, p.P, p.rank, sh.epoch);
   } else {
     // Pair mode: the peer multicasts into this CTA's stages as soon as its producer starts, and
     // the first pulls used them as copy chunks: both CTAs finish those first.
@@ -262,18 +231,15 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     if (wg == 0) {
       if (threadIdx.x == 0) produce_tiles(p.ops, plan, cx, ring1.table0, ring1.table1, ring1, ring2, sh.records, link);
     } else {
-      consume_tiles(p.ops, plan, cx, ring1, ring2, sh.records, wg - 1);
+      const int halves = consume_tiles(p.ops, plan, cx, ring1, ring2, sh.records, wg - 1);
+      const DeliveryArgs da{p.counters, p.status, p.signal_bases, sh.epoch, p.P, p.rank, fc2_arrivals(plan)};
+      deliver_fc2(da, halves, wg - 1);
       if (threadIdx.x == 128) p.trace.stamp(cta_record, kTrReady);
     }
-    // The compute queue is empty and this CTA's tiles are done: help with the pushes that are
-    // left (at the end of the launch the last minibatches' blocks wait for the push CTAs). In
-    // pair mode every byte the peer multicast into the stages was consumed before the end.
-    __syncthreads();
-    if (p.push_helpers) serve_comm_queue(p, plan, sh, ring1.a(0), kPushQueue);
   }
   const SumArgs sa{p.signal_bases,
                    reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(p.rows.bases[p.rank]) +
-                                                  p.rows.slots_offset),
+                                                  p.ops.push.slots_offset),
                    p.ids, p.y, p.counters, deadline_of(p), sh.epoch, p.P, p.rank, p.T, p.rows.K, p.E,
                    p.rows.vecs, p.trace, cta_record};
   combine_and_sum(sa, sh.sum, threadIdx.x);
@@ -303,28 +269,16 @@ bool bulk_copies_enabled() {
 }
 
 // Switches kept for comparison (the results are bitwise the same either way):
-// MOK_MEGAKERNEL_HALF_A=0 loads all 128 rows of A for every tile; MOK_MEGAKERNEL_PUSH_HELPERS=0
-// leaves the pushes to the push CTAs alone; MOK_MEGAKERNEL_PAIRS=0 / 1 launches single CTAs /
-// clusters of two whatever MokMegakernelArgs::pairs asks.
+// MOK_MEGAKERNEL_HALF_A=0 loads all 128 rows of A for every tile; MOK_MEGAKERNEL_PAIRS=0 / 1
+// launches single CTAs / clusters of two whatever MokMegakernelArgs::pairs asks.
 bool env_flag(const char* name, bool fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == 0) return fallback;
   return std::strcmp(v, "0") != 0;
 }
 
-// MOK_MEGAKERNEL_PULL_CTAS: how the comm CTAs split into pull and push CTAs, for comparison:
-// unset or "bytes" splits by the bytes each side moves (plan.cuh), "even" in halves (the split
-// before the eighth session), a number takes that many pull CTAs (clamped to leave a push CTA).
-int pull_ctas_for(int comm_ctas, bool training_copy) {
-  const char* v = std::getenv("MOK_MEGAKERNEL_PULL_CTAS");
-  if (v == nullptr || *v == 0 || std::strcmp(v, "bytes") == 0) return pull_ctas(comm_ctas, training_copy);
-  if (std::strcmp(v, "even") == 0) return pull_ctas(comm_ctas, false);
-  const long n = std::strtol(v, nullptr, 10);
-  return n < 1 ? 1 : (n > comm_ctas - 1 ? comm_ctas - 1 : (int)n);
-}
-
 // MOK_MEGAKERNEL_FIRST_PULL: minibatches whose blocks every CTA pulls in parts when the launch
-// starts, for comparison: unset kFirstPullMinibatches, 0 none (every pull by the pull CTAs,
+// starts, for comparison: unset kFirstPullMinibatches, 0 none (every pull by the comm CTAs,
 // whole blocks, as before the eighth session); at most 8 (a valid ring bounds it further).
 int first_minibatches_for() {
   const char* v = std::getenv("MOK_MEGAKERNEL_FIRST_PULL");
@@ -445,6 +399,7 @@ int check_args(const MokMegakernelArgs& a) {
   MOK_REQUIRE(aligned16(a.ring_x) && aligned16(a.ring_h) && aligned16(a.fc1_weight) &&
               aligned16(a.fc2_weight) && (a.y == nullptr || aligned16(a.y)));
   MOK_REQUIRE((reinterpret_cast<uintptr_t>(a.counters) & 7u) == 0);
+  MOK_REQUIRE((reinterpret_cast<uintptr_t>(a.table) & 7u) == 0);  // fc2's epilogue reads int2 entries
   MOK_REQUIRE(a.trace == nullptr || a.trace_capacity > 0);
   const bool any_save = a.save_x || a.save_w || a.save_gu;
   MOK_REQUIRE(!any_save || (a.save_x && a.save_w && a.save_gu));
@@ -467,7 +422,7 @@ MOK_API int64_t mok_megakernel_counter_words(int ring_slots) {
 MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_blocks, int slots,
                                      int n1, int n2, int pairs, int32_t* out) {
   MOK_REQUIRE(out && n_blocks >= 0 && mb_blocks >= 1 && slots >= 1 && n1 >= 1 && n2 >= 1);
-  MOK_REQUIRE(queue == kComputeQueue || queue == kPullQueue || queue == kPushQueue || queue == kFirstPullQueue);
+  MOK_REQUIRE(queue == kComputeQueue || queue == kPullQueue || queue == kFirstPullQueue);
   MOK_REQUIRE(pairs == 0 || pairs == 1);
   Plan plan{n_blocks, mb_blocks, slots, n1, n2};
   plan.pairs = pairs;
@@ -492,10 +447,6 @@ MOK_API int mok_megakernel_launch_shape(int64_t comm_ctas, int64_t num_ctas, int
   out[0] = grid;
   out[1] = pairs;
   return MOK_OK;
-}
-
-MOK_API int mok_megakernel_pull_ctas(int comm_ctas, int training_copy) {
-  return comm_ctas >= 2 ? pull_ctas(comm_ctas, training_copy != 0) : -1;
 }
 
 MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t stream) {
@@ -535,8 +486,8 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.ops.fc2_2.N = p.ops.fc2.N;
   p.ops.swiglu = {static_cast<__nv_bfloat16*>(a.ring_h), nullptr, a.ring_w, (int)a.I, a.ring_rows};
   p.ops.save_gu = static_cast<__nv_bfloat16*>(a.save_gu);
-  p.ops.store = {static_cast<__nv_bfloat16*>(a.ring_x), (int)a.H, a.ring_rows};
-  p.rows = RowSpaces{a.bases, a.rows_offset, a.scalars_offset, a.slots_offset, a.table,
+  p.ops.push = PushTargets{a.bases, a.slots_offset, a.table, (int)a.H};
+  p.rows = RowSpaces{a.bases, a.rows_offset, a.scalars_offset, a.table,
                      static_cast<uint4*>(a.ring_x), a.ring_w, static_cast<uint4*>(a.save_x), a.save_w,
                      (int)a.K, (int)(a.H / 8)};
   p.signal_bases = a.signal_bases;
@@ -554,14 +505,12 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.T = (int)a.T;
   p.E = (int)(a.P * a.L);
   p.comm_ctas = (int)a.comm_ctas;
-  p.pull_ctas = pull_ctas_for(p.comm_ctas, a.save_x != nullptr);
   p.first_minibatches = first_minibatches_for();
   p.mb_blocks = (int)(a.minibatch_rows / kBlockRows);
   p.slots = slots;
   p.n1 = (int)(a.I / kFc1Cols);
   p.n2 = (int)(a.H / kFc2Cols);
   p.bulk_copies = bulk_copies_enabled() ? 1 : 0;
-  p.push_helpers = env_flag("MOK_MEGAKERNEL_PUSH_HELPERS", true) ? 1 : 0;
   const bool want_pairs = env_flag("MOK_MEGAKERNEL_PAIRS", a.pairs != 0);
 
   int64_t grid = 0;

@@ -72,12 +72,13 @@ class Candidate:
                          timeout_s=base.timeout_s, max_tokens_per_rank=base.max_tokens_per_rank)
 
 
-def default_candidates(default_minibatch: int, default_pairs: bool, default_comm: int = 10) -> List[Candidate]:
-    """6, 8, 10 and 12 comm SMs at the default minibatch (16 never won; 6 is the weight-bound
-    default without grad); the default comm SMs at twice it (rings of four), and at the default
-    minibatch with pair mode the other way than ``default_pairs`` (what the shape would get):
-    pair mode's gain moved between machines (docs/perf-notes.md, ninth session)."""
-    out = [Candidate(c, default_minibatch, 4 * default_minibatch) for c in (6, 8, 10, 12)]
+def default_candidates(default_minibatch: int, default_pairs: bool, default_comm: int = 8) -> List[Candidate]:
+    """4, 6, 8 and 10 comm SMs at the default minibatch (the defaults run 4-8: the comm SMs only
+    pull since the twelfth session); the default comm SMs at twice it (rings of four), and at
+    the default minibatch with pair mode the other way than ``default_pairs`` (what the call
+    would get): pair mode's gain moved between machines and timing methods (docs/perf-notes.md,
+    ninth and twelfth sessions)."""
+    out = [Candidate(c, default_minibatch, 4 * default_minibatch) for c in (4, 6, 8, 10)]
     out.append(Candidate(default_comm, 2 * default_minibatch, 8 * default_minibatch))
     out.append(Candidate(default_comm, default_minibatch, 4 * default_minibatch, pairs=not default_pairs))
     return out

@@ -93,7 +93,7 @@ def resolve_tunables(config: MoKConfig, shape: MoEShape, ep_size: int, num_sms: 
         MoKConfigError: naming the tunable, its value and the rule.
     """
     if num_sms < 3:
-        raise MoKConfigError(f"the megakernel needs at least 3 SMs (one pulling, one pushing, one computing), "
+        raise MoKConfigError(f"the megakernel needs at least 3 SMs (two pulling, one computing), "
                              f"this launch has {num_sms}")
     resolved = config.resolve(hidden=shape.hidden, ffn_hidden=shape.ffn_hidden, num_sms=num_sms, ep_size=ep_size,
                               rows_per_expert=rows_per_expert(shape))

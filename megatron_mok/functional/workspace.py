@@ -39,12 +39,13 @@ SITE_NAMES = {
     2: "forward combine (waiting for every rank to push its expert outputs)",
     3: "backward (waiting for every rank to publish its output gradients)",
     4: "backward (waiting for every rank to push its input gradients)",
-    # 5 and 6 are no longer used (the megakernel's former recompute backward). The megakernel
-    # records 7-11 inside its launch (csrc/include/mok/megakernel.h).
+    # 5 and 6 are no longer used (the megakernel's former recompute backward), nor 9 (its former
+    # push CTAs). The megakernel records 7, 8, 10 and 11 inside its launch
+    # (csrc/include/mok/megakernel.h).
     7: "forward megakernel, inside this rank's launch (fc1 waiting for its pulled rows)",
     8: "forward megakernel, inside this rank's launch (fc2 waiting for its row block's fc1)",
-    9: "forward megakernel, inside this rank's launch (push waiting for its row block's fc2)",
-    10: "forward megakernel, inside this rank's launch (pull waiting for a free ring slot)",
+    10: "forward megakernel, inside this rank's launch (pull waiting for a free ring slot, i.e. "
+        "for the fc2 tiles of the block before it)",
     11: "forward megakernel combine (waiting for every rank to push its expert outputs)",
 }
 STATUS_BAD_EXPERT_ID, STATUS_TOO_MANY_TOKENS, STATUS_TIMEOUT = 1, 2, 4

@@ -2,7 +2,8 @@
 
 One call runs, on the current stream, a small kernel that resets the megakernel's counters and
 takes the call's epoch, then the persistent kernel: pull dispatch into the ring, fc1 + SwiGLU
-and fc2 tile by tile, push combine into the home ranks' slots, the combine-done exchange and
+and fc2 tile by tile, fc2's epilogue pushing the output rows into their home ranks' slots, the
+combine-done exchange and
 the fixed-order slot sum (docs/megakernel.md). Every size that depends on the routing stays on
 the device; the host passes only capacities.
 
@@ -31,11 +32,11 @@ FC2_COLS = 256
 MAX_EXPERTS = 1024
 """Local experts per launch (per-CTA tables in shared memory)."""
 
-ITEM_KINDS = {1: "fc1", 2: "fc2", 3: "pull", 4: "push", 6: "pull_part"}
+ITEM_KINDS = {1: "fc1", 2: "fc2", 3: "pull", 6: "pull_part"}
 FIRST_PULL_PARTS = 8
 """Parts (of 16 rows) of a first block's pull: the first two minibatches' blocks are pulled in
 parts by every CTA when the launch starts (mok/megakernel/plan.cuh)."""
-COUNTERS = {0: "x_ready", 1: "h_ready", 2: "out_ready", 3: "slot_free"}
+COUNTERS = {0: "x_ready", 1: "h_ready", 2: "fc2_done"}
 TRACE_FIELDS = ("take", "ready", "start", "done", "meta", "cta")
 """Columns of a trace record (mok/megakernel/trace.cuh): %globaltimer ns when the item was
 taken, its input acquired, its work started and its counter released; kind | block << 8 |
@@ -50,7 +51,7 @@ def trace_records(table_rows: int, hidden: int, ffn_hidden: int) -> int:
     blocks = table_rows // BLOCK_ROWS
     # Compute records: one per tile, in pair mode one per CTA of a pair tile (at most twice
     # the tiles, when every minibatch ends on an odd block).
-    return blocks * (2 * (ffn_hidden // FC1_COLS + hidden // FC2_COLS) + 2 + FIRST_PULL_PARTS) + MAX_CTAS
+    return blocks * (2 * (ffn_hidden // FC1_COLS + hidden // FC2_COLS) + 1 + FIRST_PULL_PARTS) + MAX_CTAS
 
 _i, _i64, _v = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
@@ -84,7 +85,6 @@ def _lib():
         "args_bytes": lib.function("mok_megakernel_args_bytes", _i64, []),
         "counter_words": lib.function("mok_megakernel_counter_words", _i64, [_i]),
         "plan_item": lib.function("mok_megakernel_plan_item", _i, [_i, _i, _i, _i, _i, _i, _i, _i, _v]),
-        "pull_ctas": lib.function("mok_megakernel_pull_ctas", _i, [_i, _i]),
         "launch_shape": lib.function("mok_megakernel_launch_shape", _i, [_i64, _i64, _i64, _v]),
         "forward": lib.function("mok_megakernel_forward", _i, [ctypes.POINTER(MegakernelArgs), _v]),
     }
@@ -96,12 +96,12 @@ def counter_words(ring_rows: int) -> int:
     return int(fns["counter_words"](ring_rows // BLOCK_ROWS))
 
 
-QUEUES = {"compute": 0, "pull": 1, "push": 2, "first_pull": 3}
+QUEUES = {"compute": 0, "pull": 1, "first_pull": 2}
 
 
 def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int, n1: int, n2: int,
               pairs: bool = False) -> Tuple[str, int, int, str, int, int]:
-    """Item ``index`` of the ``queue`` ("compute", "pull", "push" or "first_pull") of the
+    """Item ``index`` of the ``queue`` ("compute", "pull" or "first_pull") of the
     kernel's work plan; ``pairs``: the plan of a launch in clusters of two, whose compute
     items are pair tiles (the row block returned is the pair's first; the second is the next
     block when it lies in the same minibatch, see :func:`pair_partner`).
@@ -141,17 +141,6 @@ def launch_shape(comm_ctas: int, num_ctas: int = 0, pairs: bool = True) -> Tuple
         raise MegakernelArgumentError(f"launch_shape(comm_ctas={comm_ctas}, num_ctas={num_ctas}): "
                                       f"{lib._dll.mok_error_string(code).decode()}")
     return int(out[0]), bool(out[1])
-
-
-def pull_ctas(comm_ctas: int, training_copy: bool) -> int:
-    """How many of ``comm_ctas`` (>= 2) comm CTAs the kernel makes pull CTAs (the rest push),
-    with or without the training copy: in proportion to the bytes each side moves per row
-    (a pull reads a row and writes it once, twice with the copy; a push reads and writes it
-    once), at least one of each."""
-    if comm_ctas < 2:
-        raise MegakernelArgumentError(f"comm_ctas={comm_ctas}: the kernel needs at least 2 comm CTAs")
-    _, fns = _lib()
-    return int(fns["pull_ctas"](comm_ctas, 1 if training_copy else 0))
 
 
 # ---- argument checks -------------------------------------------------------------------------
@@ -214,6 +203,8 @@ def check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc
         _tensor("table", table, torch.int32, 2, device=dev)
         if table.shape[1] != 2:
             _fail(f"table must be [R_cap, 2], got {tuple(table.shape)}")
+        if table.device.type == "cuda" and not torch.compiler.is_compiling() and table.data_ptr() % 8:
+            _fail("table must be 8-byte aligned (fc2's epilogue reads its rows as int2)")
     if offsets is not None:
         _tensor("offsets", offsets, torch.int32, numel=L + 1, device=dev)
     if counts is not None:
@@ -227,13 +218,13 @@ def check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc
         _fail(f"minibatch_rows = {minibatch_rows} must be a positive multiple of {BLOCK_ROWS}")
     if R % minibatch_rows or R < 2 * minibatch_rows:
         _fail(f"ring_rows = {R} must be a multiple of minibatch_rows = {minibatch_rows} and at least "
-              f"two minibatches ({2 * minibatch_rows}): a pull waits for the push of the block "
-              "one ring earlier, whose fc2 the compute queue must reach before that pull's fc1")
+              f"two minibatches ({2 * minibatch_rows}): a pull waits for the fc2 tiles of the block "
+              "one ring earlier, which the compute queue must reach before that pull's fc1")
     _tensor("counters", counters, torch.int32, numel=counter_words(R), device=dev)
     _tensor("epoch_counter", epoch_counter, torch.int64, numel=1, device=dev)
     _tensor("status", status, torch.int32, numel=8, device=dev)
     if comm_ctas < 2:
-        _fail(f"comm_ctas = {comm_ctas} must be at least 2 (pulls and pushes have CTAs of their own)")
+        _fail(f"comm_ctas = {comm_ctas} must be at least 2 (the CTAs that pull rows)")
     if num_ctas < 0 or (num_ctas and num_ctas <= comm_ctas):
         _fail(f"num_ctas = {num_ctas} must be 0 (every SM) or above comm_ctas = {comm_ctas}")
     if timeout_ns <= 0:
@@ -285,7 +276,7 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
         counters: int32 [counter_words(ring_rows)]: the ring and its counters (overwritten).
         epoch_counter: int64 [1], the workspace's barrier counter (advanced by one).
         status: int32 [8], the workspace's status word (timeouts are recorded there).
-        rank: this rank. minibatch_rows: rows per minibatch. comm_ctas: CTAs that move data.
+        rank: this rank. minibatch_rows: rows per minibatch. comm_ctas: CTAs that pull rows.
         num_ctas: CTAs of the launch (0: one per SM). timeout_ns: deadline of every wait.
         trace: None, or an int64 [N, 6] timeline (:data:`TRACE_FIELDS` per record; records past N
             are not written); see :func:`trace_records` for the size that holds every record.

@@ -6,7 +6,7 @@
 // in which `rows_offset` holds its published bf16 tokens [T_cap, H], `scalars_offset` its fp32
 // router weights [T_cap, K] and `slots_offset` the bf16 combine slots [T_cap, K, H];
 // `signal_bases[s]` is rank s's uint64 [P] flag array (the one mok_barrier uses). The ring
-// (x / out rows, h rows, router weights) and the counters are local device buffers whose size
+// (x rows, h rows, router weights) and the counters are local device buffers whose size
 // the config fixes, whatever the routing.
 #pragma once
 
@@ -22,14 +22,14 @@ typedef struct MokMegakernelArgs {
   int64_t rows_offset;           // byte offset of the published tokens in a region
   int64_t scalars_offset;        // byte offset of the published router weights
   int64_t slots_offset;          // byte offset of the combine slots
-  const int32_t* table;          // schedule: int32 [R_cap, 2] (source rank, token * K + slot)
+  const int32_t* table;          // schedule: int32 [R_cap, 2] (source rank, token * K + slot), 8-byte aligned
   const int32_t* offsets;        // int32 [L + 1], multiples of 128
   const int32_t* counts;         // int32 [L]
   const int64_t* topk_ids;       // this rank's int64 [T, K] ids (null when T == 0)
   const void* fc1_weight;        // bf16 [L1, 2I, H] (gate rows, then up rows); L1 = L unless
                                  // a second segment (below) holds the last experts
   const void* fc2_weight;        // bf16 [L1, H, I]
-  void* ring_x;                  // bf16 [ring_rows, H]: pulled x rows, then the block's output rows
+  void* ring_x;                  // bf16 [ring_rows, H]: pulled x rows
   void* ring_h;                  // bf16 [ring_rows, I]: w * silu(x G^T) * (x U^T)
   float* ring_w;                 // fp32 [ring_rows]: router weight of each ring row
   int32_t* counters;             // int32 [mok_megakernel_counter_words(ring_rows / 128)]
@@ -40,8 +40,8 @@ typedef struct MokMegakernelArgs {
   int64_t P, rank, L, H, I, K, T;
   int64_t ring_rows;             // a multiple of minibatch_rows, at least two minibatches
   int64_t minibatch_rows;        // a positive multiple of 128
-  int64_t comm_ctas;             // CTAs that move data, >= 2: (comm_ctas + 1) / 2 pull, the rest
-                                 // push; the other CTAs compute
+  int64_t comm_ctas;             // CTAs that pull rows, >= 2; the other CTAs compute (and push
+                                 // fc2's output rows home from its epilogue)
   int64_t num_ctas;              // CTAs of the launch (0: every SM; capped by the occupancy)
   int64_t* trace;                // optional timeline, int64 [trace_capacity, 6] (null: off;
                                  // mok/megakernel/trace.cuh says what each record holds)
@@ -69,12 +69,12 @@ MOK_API int64_t mok_megakernel_args_bytes(void);
 // int32 words of the counter buffer for a ring of `ring_slots` = ring_rows / 128 slots.
 MOK_API int64_t mok_megakernel_counter_words(int ring_slots);
 
-// The work plan, for tests: item `index` of queue `queue` (0 compute, 1 pull, 2 push, 3 first
-// pull) for a layout of n_blocks row blocks, mb_blocks blocks per minibatch, `slots` ring slots,
+// The work plan, for tests: item `index` of queue `queue` (0 compute, 1 pull, 2 first pull)
+// for a layout of n_blocks row blocks, mb_blocks blocks per minibatch, `slots` ring slots,
 // n1 = I / 128 fc1 and n2 = H / 256 fc2 column blocks. Writes out[0..5] = kind (1 fc1, 2 fc2,
-// 3 pull, 4 push, 6 part of a first block's pull: column block = the part), row block, column
-// block, the counter it waits on (0 x_ready, 1 h_ready,
-// 2 out_ready, 3 slot_free), that counter's slot, and the value to wait for (<= 0: none).
+// 3 pull, 6 part of a first block's pull: column block = the part), row block, column block,
+// the counter it waits on (0 x_ready, 1 h_ready, 2 fc2_done), that counter's slot, and the
+// value to wait for (<= 0: none).
 // pairs = 1: the plan of a launch in clusters of two (compute items are pair tiles: out[1] is
 // the pair's first block, the second is out[1] + 1 when it lies in the same minibatch; the
 // wait is the first block's, the second CTA waits for its own block the same way).
@@ -87,12 +87,6 @@ MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_
 // when they run in clusters of two (pair mode), else 0. Queries the device; returns MOK_OK, a
 // cudaError_t, MOK_ERR_INVALID_ARGUMENT or MOK_ERR_UNSUPPORTED as the forward would.
 MOK_API int mok_megakernel_launch_shape(int64_t comm_ctas, int64_t num_ctas, int64_t pairs, int64_t* out);
-
-// How many of `comm_ctas` comm CTAs pull (the rest push), with or without the training copy
-// (a pull then writes every row twice): in proportion to the bytes each side moves, at least
-// one of each. The kernel's split when MOK_MEGAKERNEL_PULL_CTAS is unset. Returns -1 for
-// comm_ctas < 2.
-MOK_API int mok_megakernel_pull_ctas(int comm_ctas, int training_copy);
 
 // Runs the forward megakernel on `stream`: a small kernel resets the counters and takes the
 // next epoch from *epoch_counter, then the persistent kernel computes, for this rank's T
@@ -112,7 +106,7 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
 enum MokMegakernelSite {
   MOK_SITE_MK_FC1_WAITS_PULL = 7,
   MOK_SITE_MK_FC2_WAITS_FC1 = 8,
-  MOK_SITE_MK_PUSH_WAITS_FC2 = 9,
+  // 9 was a push CTA waiting for its block's fc2 tiles (before fc2's epilogue pushed)
   MOK_SITE_MK_PULL_WAITS_SLOT = 10,
   MOK_SITE_MK_COMBINE_DONE = 11,
 };

@@ -8,7 +8,7 @@
 // padded to 128 rows) is cut into row blocks of kBlockRows rows, each of one expert. Block b
 // lives in ring slot b % slots while it is in flight; it is the (b / slots + 1)-th
 // generation of that slot. A minibatch is mb_blocks consecutive blocks (the last one may be
-// shorter). Four queues, each handed out in order by an atomic counter:
+// shorter). Three queues, each handed out in order by an atomic counter:
 //   first pull: the blocks of the first two minibatches (the "first blocks") in parts of
 //            kBlockRows / kFirstPullParts rows, part(0, 0), part(0, 1), ..., served by every
 //            CTA when the launch starts (nothing can be computed before they land, and one
@@ -16,12 +16,10 @@
 //            minibatch's parts, then start on its tiles
 //   compute: fc1(mb 0), then for m = 1 .. n_mb-1: fc1(mb m), fc2(mb m-1); then fc2(last)
 //   pull:    pull(nf), pull(nf + 1), ... (block order after the nf first blocks), served by
-//            the pull CTAs
-//   push:    push(0), push(1), ... (block order), served by the push CTAs, and by every
-//            compute CTA once the compute queue is empty (the last minibatches' pushes are
-//            otherwise the launch's tail)
-// Pulls and pushes have CTAs of their own so that a pull never queues behind a push that waits
-// for compute: the pulls run ahead as far as the ring allows.
+//            the comm CTAs
+// There is no push item: an fc2 tile's epilogue stores its output rows straight into their
+// home ranks' (token, slot) rows, so a block's slot is free once its fc2 tiles are done, and the
+// comm CTAs only pull, as far ahead as the ring allows.
 // Within a minibatch, GEMM tiles run in groups of up to 8 row blocks, column block by column
 // block inside a group (the CTAs that run together share the weight tile in L2).
 // Pair mode (the kernel launched in clusters of two CTAs): a compute item is a pair tile, the
@@ -51,23 +49,25 @@ constexpr int kTileArrivals = 2;      // consumer warpgroups per GEMM tile; each
 constexpr int kFirstPullParts = 8;    // parts of a first block's pull (16 rows each)
 constexpr int kFirstPullMinibatches = 2;  // minibatches whose blocks are pulled in parts
 
-// (5 is the trace's CTA record kind.)
-enum ItemKind : int32_t { kEnd = 0, kFc1 = 1, kFc2 = 2, kPull = 3, kPush = 4, kPullPart = 6 };
-enum Queue : int32_t { kComputeQueue = 0, kPullQueue = 1, kPushQueue = 2, kFirstPullQueue = 3 };
-// Per-slot counters, each an int32[slots] array; they only grow within a launch.
-enum SlotCounter : int32_t { kXReady = 0, kHReady = 1, kOutReady = 2, kSlotFree = 3, kNumSlotCounters = 4 };
+// (4 was the push item of the comm CTAs, before fc2's epilogue pushed; 5 is the trace's CTA
+// record kind.)
+enum ItemKind : int32_t { kEnd = 0, kFc1 = 1, kFc2 = 2, kPull = 3, kPullPart = 6 };
+enum Queue : int32_t { kComputeQueue = 0, kPullQueue = 1, kFirstPullQueue = 2 };
+// Per-slot counters, each an int32[slots] array; they only grow within a launch. kFc2Done also
+// says that the slot is free: its block's x, h and router weights are no longer read.
+enum SlotCounter : int32_t { kXReady = 0, kHReady = 1, kFc2Done = 2, kNumSlotCounters = 3 };
 
 // Header words of the counter buffer (int32 units); the slot counters follow.
 enum HeaderWord : int32_t {
   kEpochLo = 0,       // uint64 epoch of this launch (words 0-1), written by the reset kernel
   kComputeNext = 2,   // compute queue position
   kPullNext = 3,      // pull queue position
-  kPushesDone = 4,    // push items whose rows have reached their home ranks
+  kFc2Delivered = 4,  // fc2 tile halves (one per consumer warpgroup) whose output rows have
+                      // reached their home ranks (counted by each CTA at its end, tiles.cuh)
   kSumNext = 5,       // slot-sum queue position (tokens)
   kRoleTicket = 6,    // CTAs started: the first comm_ctas become comm CTAs
-  kPushNext = 7,      // push queue position
-  kFirstPullNext = 8, // first-pull queue position
-  kHeaderWords = 9,
+  kFirstPullNext = 7, // first-pull queue position
+  kHeaderWords = 8,
 };
 
 MOK_HD int64_t counter_words(int slots) { return kHeaderWords + (int64_t)kNumSlotCounters * slots; }
@@ -111,9 +111,12 @@ MOK_HD int compute_items(const Plan& p) {
 }
 // Trace records of compute items: one per item, in pair mode one per CTA of the pair.
 MOK_HD int compute_records(const Plan& p) { return p.pairs ? 2 * compute_items(p) : compute_items(p); }
-// Record slots of the trace for comm items: one per block for pulls and for pushes (the first
-// blocks' pull records stay empty; their parts have records after the CTAs', trace.cuh).
-MOK_HD int comm_items(const Plan& p) { return 2 * p.n_blocks; }
+// fc2 tile halves of the launch (one per consumer warpgroup of every fc2 tile): what
+// kFc2Delivered reaches once every output row is at home.
+MOK_HD int fc2_arrivals(const Plan& p) { return p.n_blocks * p.n2 * kTileArrivals; }
+// Record slots of the trace for comm items: one per block for pulls (the first blocks' records
+// stay empty; their parts have records after the CTAs', trace.cuh).
+MOK_HD int comm_items(const Plan& p) { return p.n_blocks; }
 // Blocks pulled in parts when the launch starts. The ring holds at least two minibatches, so
 // they are all first generation: their slots were never used.
 MOK_HD int first_blocks(const Plan& p) {
@@ -125,21 +128,8 @@ MOK_HD int queue_items(const Plan& p, int queue) {
   switch (queue) {
     case kComputeQueue: return compute_items(p);
     case kPullQueue: return p.n_blocks - first_blocks(p);
-    case kFirstPullQueue: return first_blocks(p) * kFirstPullParts;
-    default: return p.n_blocks;
+    default: return first_blocks(p) * kFirstPullParts;
   }
-}
-
-// CTAs of the comm_ctas that pull (the rest push), in proportion to the bytes each side moves
-// per row: a pull reads the row and writes it into the ring, and once more into the training
-// copy when the launch saves activations for the backward; a push reads it and writes it once.
-// Rounded to the nearest count (halves up); both roles need at least one CTA.
-MOK_HD int pull_ctas(int comm_ctas, bool training_copy) {
-  const int pull_bytes = training_copy ? 3 : 2, push_bytes = 2;
-  const int total = pull_bytes + push_bytes;
-  int n = (comm_ctas * pull_bytes * 2 + total) / (2 * total);
-  if (n > comm_ctas - 1) n = comm_ctas - 1;
-  return n < 1 ? 1 : n;
 }
 
 // Item `idx` of the tiles of minibatch m with `cols` column blocks (cols == 1: the units in
@@ -198,28 +188,19 @@ MOK_HD Item interleaved_item(const Plan& p, int i, int32_t kind_a, int ca, int32
 // Item at position i of the compute queue (0 <= i < compute_items).
 MOK_HD Item compute_item(const Plan& p, int i) { return interleaved_item(p, i, kFc1, p.n1, kFc2, p.n2); }
 
-// Item at position i of the pull or push queue (0 <= i < n_blocks): block i.
-MOK_HD Item comm_item(int kind, int i) {
-  Item it;
-  it.kind = kind;
-  it.block = i;
-  it.col = 0;
-  return it;
-}
-
 MOK_HD Item queue_item(const Plan& p, int queue, int i) {
-  switch (queue) {
-    case kComputeQueue: return compute_item(p, i);
-    case kPullQueue: return comm_item(kPull, first_blocks(p) + i);
-    case kFirstPullQueue: {
-      Item it;
-      it.kind = kPullPart;
-      it.block = i / kFirstPullParts;
-      it.col = i % kFirstPullParts;  // the part: rows [col * rows, (col + 1) * rows) of the block
-      return it;
-    }
-    default: return comm_item(kPush, i);
+  if (queue == kComputeQueue) return compute_item(p, i);
+  Item it;
+  if (queue == kPullQueue) {  // the blocks after the first ones, in order
+    it.kind = kPull;
+    it.block = first_blocks(p) + i;
+    it.col = 0;
+  } else {
+    it.kind = kPullPart;
+    it.block = i / kFirstPullParts;
+    it.col = i % kFirstPullParts;  // the part: rows [col * rows, (col + 1) * rows) of the block
   }
+  return it;
 }
 
 // First-pull positions a compute CTA takes: the parts of the first minibatch's blocks. The comm
@@ -249,14 +230,10 @@ MOK_HD Wait wait_of(const Plan& p, const Item& it) {
       w.counter = kHReady;
       w.target = g * kTileArrivals * p.n1;
       break;
-    case kPull:      // the slot's previous block was pushed (its rows are no longer needed)
-    case kPullPart:  // (a first block: nothing to wait for, g == 1)
-      w.counter = kSlotFree;
-      w.target = g - 1;
-      break;
-    case kPush:  // every fc2 tile of the block stored its output columns
-      w.counter = kOutReady;
-      w.target = g * kTileArrivals * p.n2;
+    case kPull:      // every fc2 tile of the slot's previous block is done (its x, h and
+    case kPullPart:  // router weights are no longer read; a first block: g == 1, no wait)
+      w.counter = kFc2Done;
+      w.target = (g - 1) * kTileArrivals * p.n2;
       break;
     default:
       w.counter = 0;
@@ -268,10 +245,7 @@ MOK_HD Wait wait_of(const Plan& p, const Item& it) {
 
 // The counter an item bumps when done, and by how much (GEMM tiles: once per consumer
 // warpgroup, kTileArrivals in all).
-MOK_HD int signal_counter(int32_t kind) {
-  return (kind == kPull || kind == kPullPart) ? kXReady : kind == kFc1 ? kHReady : kind == kFc2 ? kOutReady
-                                                                                                 : kSlotFree;
-}
+MOK_HD int signal_counter(int32_t kind) { return kind == kFc1 ? kHReady : kind == kFc2 ? kFc2Done : kXReady; }
 MOK_HD int signal_amount(int32_t kind) { return (kind == kFc1 || kind == kFc2) ? kTileArrivals : 1; }
 
 }  // namespace mega

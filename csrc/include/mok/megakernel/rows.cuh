@@ -1,7 +1,6 @@
 // Row copies of the megakernel's comm CTAs: a pull copies the 128 rows of a row block, or 16 of
 // them (a part of a first block, plan.cuh), and their router weights from their source ranks
-// into a ring slot; a push copies a block's output rows from the ring into their home ranks'
-// (token, slot) rows.
+// into a ring slot. (The output rows go home from fc2's epilogue: push.cuh.)
 //
 // Two ways to move a row, chosen per launch (KernelParams::bulk_copies):
 //
@@ -16,12 +15,10 @@
 //   (~86 KB per CTA). Measured on H200s at 45-50 GB/s (read + write) per comm CTA, with 8 or
 //   14 loads in flight alike. Kept for comparison (MOK_MEGAKERNEL_COPIES=registers).
 //
-// Memory ordering. Ring rows are rewritten by other SMs during the launch: register loads
-// bypass L1 (ld.global.cg), bulk loads never touch it. Rows that TMA reads after generic
-// stores (fc2's output rows read by a push) and rows generic code or TMA reads after bulk
-// stores (a pull's rows, read by fc1's TMA) are ordered by fence.proxy.async.global on both
-// sides of the counter hand-over; bulk stores are waited for (cp.async.bulk.wait_group 0)
-// before the hand-over that publishes them.
+// Memory ordering. Rows that TMA reads after bulk or generic stores (a pull's rows, read by
+// fc1's TMA) are ordered by fence.proxy.async.global on both sides of the counter hand-over;
+// bulk stores are waited for (cp.async.bulk.wait_group 0) before the hand-over that publishes
+// them. Peers' rows are not rewritten during the launch, so the loads may go through any cache.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -48,7 +45,6 @@ struct RowSpaces {
   const uint64_t* bases;    // device [P]: every rank's region
   int64_t rows_offset;      // published bf16 tokens [T_cap, H]
   int64_t scalars_offset;   // published fp32 router weights [T_cap, K]
-  int64_t slots_offset;     // bf16 combine slots [T_cap, K, H]
   const int32_t* table;     // schedule [R_cap, 2]
   uint4* ring_x;            // [ring_rows, H / 8]
   float* ring_w;            // [ring_rows]
@@ -111,10 +107,10 @@ __device__ __forceinline__ void copy_row_cg(const uint4* __restrict__ src, uint4
 // Copies the rows the warp's lanes describe (lane k: src, dst, dst2 (may be null), `valid`),
 // each row_bytes long, cut into chunks of kCopyChunkBytes, through the warp's pipe. All lanes
 // call it (the loop is warp-uniform); lane 0 issues the copies. On return every chunk has been
-// loaded and its stores issued, and the stores have read their shared memory; they are
-// complete too when `complete`.
+// loaded and its stores are complete (visible to TMA and generic readers after the caller's
+// hand-over).
 __device__ __forceinline__ void stream_rows(CopyPipe& pipe, const char* src, char* dst, char* dst2, bool valid,
-                                            int row_bytes, bool complete, int lane) {
+                                            int row_bytes, int lane) {
   const uint32_t mask = __ballot_sync(~0u, valid);
   const int order = __popc(mask & ((1u << lane) - 1u));  // this lane's place among the valid rows
   const int pieces = (row_bytes + kCopyChunkBytes - 1) / kCopyChunkBytes;
@@ -167,17 +163,13 @@ __device__ __forceinline__ void stream_rows(CopyPipe& pipe, const char* src, cha
   }
   pipe.loaded += n;
   if (lane == 0) {
-    if (complete) {
-      gemm::bulk_wait();
-      fence_proxy_async_global();  // TMA and generic readers after the hand-over
-    } else {
-      gemm::bulk_wait_read();  // the stages are free for the next item
-    }
+    gemm::bulk_wait();
+    fence_proxy_async_global();  // TMA and generic readers after the hand-over
   }
   __syncwarp();
 }
 
-// ---- pull and push ---------------------------------------------------------------------------
+// ---- pulls --------------------------------------------------------------------------------------
 
 // The rows [row0, row0 + rows) of a block that a copy item moves: a whole block, or a part of a
 // first block (plan.cuh).
@@ -228,7 +220,7 @@ __device__ __forceinline__ void pull_rows(const RowSpaces& rs, int block, RowRan
     }
     char* dst = reinterpret_cast<char*>(rs.ring_x) + ring_row * row_bytes;
     char* dst2 = rs.save_x != nullptr ? reinterpret_cast<char*>(rs.save_x) + i * row_bytes : nullptr;
-    stream_rows(*pipe, src, dst, dst2, s >= 0, (int)row_bytes, /*complete=*/true, lane);
+    stream_rows(*pipe, src, dst, dst2, s >= 0, (int)row_bytes, lane);
     if (rs.save_x != nullptr) {  // padding rows of the training copy: zeros
       uint32_t padding = __ballot_sync(~0u, in_block && s < 0);
       while (padding) {
@@ -262,33 +254,6 @@ __device__ __forceinline__ void pull_rows(const RowSpaces& rs, int block, RowRan
       rs.ring_w[ring_row] = w;
       if (rs.save_w != nullptr) rs.save_w[i] = w;
     }
-  }
-}
-
-// Block b's output rows (in its slot) to their (token, slot) on their home ranks. With `pipe`
-// the stores have left shared memory on return but may still be in flight: the comm CTA waits
-// for them (cp.async.bulk.wait_group 0) before its combine-done arrival.
-__device__ __forceinline__ void push_block(const RowSpaces& rs, int block, int slot, int warp, int warps,
-                                           int lane, CopyPipe* pipe) {
-  if (pipe != nullptr) {
-    const LaneRow lr(rs, block, kWholeBlock, warp, warps, lane);
-    const int r = lr.r, s = lr.s, route = lr.route;
-    const int64_t row_bytes = (int64_t)rs.vecs * 16;
-    const char* src = reinterpret_cast<const char*>(rs.ring_x) + ((int64_t)slot * kBlockRows + r) * row_bytes;
-    char* dst = s >= 0 ? reinterpret_cast<char*>(rs.bases[s]) + rs.slots_offset + (int64_t)route * row_bytes
-                       : nullptr;
-    stream_rows(*pipe, src, dst, nullptr, s >= 0, (int)row_bytes, /*complete=*/false, lane);
-    return;
-  }
-  for (int r = warp; r < kBlockRows; r += warps) {
-    const int64_t i = (int64_t)block * kBlockRows + r;
-    const int s = rs.table[2 * i];
-    if (s < 0) continue;
-    const int route = rs.table[2 * i + 1];
-    const uint4* src = rs.ring_x + ((int64_t)slot * kBlockRows + r) * rs.vecs;
-    char* base = reinterpret_cast<char*>(rs.bases[s]);
-    uint4* dst = reinterpret_cast<uint4*>(base + rs.slots_offset) + (int64_t)route * rs.vecs;
-    copy_row_cg(src, dst, nullptr, rs.vecs, lane);
   }
 }
 

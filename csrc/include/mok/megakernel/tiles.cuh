@@ -1,8 +1,9 @@
 // The compute CTAs of the forward megakernel: the TMA producer thread takes GEMM tiles from the
 // compute queue in order, waits (acquire) until the tile's input rows are in the ring, and
 // loads them through the stage ring of the grouped GEMMs (mok/gemm/pipeline.cuh); the two
-// consumer warpgroups run the same tiles with mma_row_tile and the grouped GEMM epilogues,
-// then release the tile's arrival on its slot counter.
+// consumer warpgroups run the same tiles with mma_row_tile and release the tile's arrival on
+// its slot counter; fc1's epilogue is the grouped GEMM's SwiGLU epilogue into the ring, fc2's
+// pushes the output rows home (push.cuh).
 //
 // In pair mode (plan.cuh) the launch runs in clusters of two: both CTAs' producers walk the
 // same pair tiles (PairLink), each loads its own block's rows and one of the two weight boxes
@@ -15,8 +16,8 @@
 //
 // Both tile kinds are 128 x 256 with a 64-deep K step: fc1 (RowCfg<128, 256, kSwiGLU>: 128
 // gate and the same 128 up rows of fc1, SwiGLU epilogue, 128 h columns) and fc2
-// (RowCfg<128, 256, kKMajor>: 256 output columns); their stage layouts are identical, so one
-// shared-memory ring serves both.
+// (RowCfg<128, 256, kKMajor>: 256 output columns, pushed home); their stage layouts are
+// identical, so one shared-memory ring serves both.
 #pragma once
 
 #include <cuda.h>
@@ -30,6 +31,7 @@
 #include "mok/gemm/ptx.cuh"
 #include "mok/megakernel.h"
 #include "mok/megakernel/plan.cuh"
+#include "mok/megakernel/push.cuh"
 #include "mok/megakernel/sync.cuh"
 #include "mok/megakernel/trace.cuh"
 
@@ -76,7 +78,7 @@ struct TileOperands {
   int half_a;  // 1: use them (MOK_MEGAKERNEL_HALF_A=0 turns them off, for comparison)
   gemm::SwiGLUForwardEpilogue::Params swiglu;  // h = ring h, scale = ring router weights, gu = null
   __nv_bfloat16* save_gu;                      // [R_cap, 2I] training copy of the pre-activation, or null
-  gemm::StoreEpilogue::Params store;           // out = ring x (the block's x rows are dead by then)
+  PushTargets push;                            // fc2's output rows: their home (token, slot) rows
 };
 
 // Local expert of ring row block starting at layout row `row`: the largest l < L with
@@ -313,18 +315,20 @@ __device__ __forceinline__ void zero_gu_half(const gemm::SwiGLUForwardEpilogue::
   }
 }
 
-// Consumer warpgroup cw (0 or 1): rows cw * 64 .. +64 of every tile.
-__device__ __forceinline__ void consume_tiles(const TileOperands& ops, const Plan& plan, const ComputeContext& cx,
+// Consumer warpgroup cw (0 or 1): rows cw * 64 .. +64 of every tile. Returns the fc2 tile halves
+// it ran (push.cuh counts them as delivered).
+__device__ __forceinline__ int consume_tiles(const TileOperands& ops, const Plan& plan, const ComputeContext& cx,
                                               const gemm::SmemRing<Fc1Cfg>& ring1,
                                               const gemm::SmemRing<Fc2Cfg>& ring2, const StageRecord* records,
                                               int cw) {
   gemm::PipeState st;
   float acc[Fc1Cfg::kAccRegs];
+  int fc2_halves = 0;
   for (;;) {
     ring1.wait_full(st);
     const volatile StageRecord& vr = records[st.stage];
     const int kind = vr.kind;
-    if (kind == kEnd) return;
+    if (kind == kEnd) return fc2_halves;
     const gemm::RowTile t{vr.expert, vr.row0, vr.col, vr.row_end, true};
     const int record = vr.index;
     const int block = vr.block;
@@ -336,10 +340,9 @@ __device__ __forceinline__ void consume_tiles(const TileOperands& ops, const Pla
     const bool stamps = cx.trace.on() && threadIdx.x % 128 == 0 && cw == 0;
     if (stamps) cx.trace.stamp(record, kTrStart);
     const int slot = t.row0 / kBlockRows;
-    int32_t* counter;
     // A warpgroup whose 64 rows are all padding only passes the stages on: its rows' h and
-    // outputs are never read (fc2 skips the same rows, push skips padding rows). At ~170 rows
-    // per expert (Kimi-K2 on 2 GPUs) a third of the blocks' halves are padding.
+    // outputs are never read (fc2 skips the same rows, and padding rows are not pushed). At
+    // ~170 rows per expert (Kimi-K2 on 2 GPUs) a third of the blocks' halves are padding.
     const bool padding_only = t.row0 + cw * 64 >= t.row_end;
     if (kind == kFc1) {
       // The training copy of the pre-activation goes to the block's layout rows: the epilogue
@@ -355,20 +358,20 @@ __device__ __forceinline__ void consume_tiles(const TileOperands& ops, const Pla
         gemm::SwiGLUForwardEpilogue::apply<Fc1Cfg::WGN>(sp, t, cw, 0, Fc1Cfg::BN, acc, nullptr, cw);
         fence_proxy_async_global();  // h is read by fc2's TMA loads
       }
-      counter = cx.counters + counter_index(kHReady, slot, plan.slots);
+      // Every thread of the warpgroup has stored its fragment: one release covers them all.
+      gemm::named_barrier_sync(1 + cw, 128);
+      if (threadIdx.x % 128 == 0) red_release_gpu_add(cx.counters + counter_index(kHReady, slot, plan.slots), 1);
     } else {
-      if (padding_only) {
-        pass_stages(ops.fc2.K / gemm::kBK, ring2, st);
-      } else {
-        gemm::mma_row_tile<Fc2Cfg>(ops.fc2, cw, 0, ring2, st, acc);
-        gemm::StoreEpilogue::apply<Fc2Cfg::WGN>(ops.store, t, cw, 0, Fc2Cfg::BN, acc, nullptr, cw);
-        fence_proxy_async_global();  // the push may read these rows with bulk copies
-      }
-      counter = cx.counters + counter_index(kOutReady, slot, plan.slots);
+      if (!padding_only) gemm::mma_row_tile<Fc2Cfg>(ops.fc2, cw, 0, ring2, st, acc);
+      else pass_stages(ops.fc2.K / gemm::kBK, ring2, st);
+      // The warpgroup's MMAs have read the tile's h rows, and nothing of the slot is read after
+      // them: its half of the slot is free before the push (released before the pushed stores,
+      // so the release need not wait for them to reach the peers).
+      gemm::named_barrier_sync(1 + cw, 128);
+      if (threadIdx.x % 128 == 0) red_release_gpu_add(cx.counters + counter_index(kFc2Done, slot, plan.slots), 1);
+      if (!padding_only) push_fragment<Fc2Cfg::WGN>(ops.push, block, t.col_block, cw, acc);
+      ++fc2_halves;
     }
-    // Every thread of the warpgroup has stored its fragment: one release covers them all.
-    gemm::named_barrier_sync(1 + cw, 128);
-    if (threadIdx.x % 128 == 0) red_release_gpu_add(counter, 1);
     if (stamps) cx.trace.stamp(record, kTrDone);
   }
 }

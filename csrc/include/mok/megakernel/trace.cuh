@@ -2,7 +2,7 @@
 // record of kTraceWords int64 per work item and one per CTA, written with %globaltimer
 // readings by the thread that takes, waits for, starts and finishes the item:
 //   compute item i        -> record i (pair mode: 2 i + the CTA's rank in its cluster)
-//   pull / push of block b -> record C + b / C + n_blocks + b, C = compute_records
+//   pull of block b        -> record C + b, C = compute_records
 //   CTA c (its whole run)  -> record C + comm_items + c
 //   first-pull part i      -> record C + comm_items + gridDim.x + i
 // Fields: take (taken from its queue), ready (its input acquired), start (the consumers begin
