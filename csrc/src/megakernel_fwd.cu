@@ -289,29 +289,42 @@ int first_minibatches_for() {
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
-// CTAs of forward_kernel per SM on the current device, queried once per device (the
-// shared-memory attribute and the occupancy query cost more host time than the launch itself).
+// A per-device value that costs host time to query (the shared-memory attribute and the
+// occupancy queries cost more than the launch itself): `query(int*)` runs once per device and
+// returns a cudaError_t; the value (>= 0) is cached as value + 1, so 0 means "not known yet".
 constexpr int kMaxDevices = 64;
-std::atomic<int> g_ctas_per_sm[kMaxDevices];  // 0: not known yet
+using DeviceCache = std::atomic<int>[kMaxDevices];
 
-cudaError_t ctas_per_sm(int* out) {
+template <class Query>
+cudaError_t once_per_device(DeviceCache& cache, int* out, Query query) {
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   const bool cached = dev >= 0 && dev < kMaxDevices;
   if (cached) {
-    const int known = g_ctas_per_sm[dev].load(std::memory_order_relaxed);
+    const int known = cache[dev].load(std::memory_order_relaxed);
     if (known > 0) {
-      *out = known;
+      *out = known - 1;
       return cudaSuccess;
     }
   }
-  e = cudaFuncSetAttribute(forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  e = query(out);
   if (e != cudaSuccess) return e;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(out, forward_kernel, g::kThreads, kSmemBytes);
-  if (e != cudaSuccess) return e;
-  if (cached && *out > 0) g_ctas_per_sm[dev].store(*out, std::memory_order_relaxed);
+  if (cached && *out >= 0) cache[dev].store(*out + 1, std::memory_order_relaxed);
   return cudaSuccess;
+}
+
+// CTAs of forward_kernel per SM on the current device (0: it does not fit). Sets the kernel's
+// shared-memory attribute, which every launch and the cluster query below need, on the first
+// call for a device.
+DeviceCache g_ctas_per_sm;
+
+cudaError_t ctas_per_sm(int* out) {
+  return once_per_device(g_ctas_per_sm, out, [](int* n) {
+    const cudaError_t e = cudaFuncSetAttribute(forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    return e != cudaSuccess ? e : cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, forward_kernel, g::kThreads,
+                                                                                 kSmemBytes);
+  });
 }
 
 // A launch of `grid` CTAs of forward_kernel in clusters of two (pair mode); `attr` holds the
@@ -332,27 +345,17 @@ cudaLaunchConfig_t pair_launch_config(int64_t grid, cudaStream_t stream, cudaLau
 }
 
 // Clusters of two CTAs of forward_kernel that can be resident at once on the current device
-// (pair mode), queried once per device; 0 when none fits.
-std::atomic<int> g_resident_pairs[kMaxDevices];  // 0: not known yet; -1: none
+// (pair mode); 0 when none fits. After ctas_per_sm (the shared-memory attribute).
+DeviceCache g_resident_pairs;
 
 cudaError_t resident_pairs(int sms, int* out) {
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  const bool cached = dev >= 0 && dev < kMaxDevices;
-  if (cached) {
-    const int known = g_resident_pairs[dev].load(std::memory_order_relaxed);
-    if (known != 0) {
-      *out = known > 0 ? known : 0;
-      return cudaSuccess;
-    }
-  }
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = pair_launch_config(sms / 2 * 2, nullptr, &attr);
-  e = cudaOccupancyMaxActiveClusters(out, forward_kernel, &cfg);
-  if (e != cudaSuccess) return e;
-  if (cached) g_resident_pairs[dev].store(*out > 0 ? *out : -1, std::memory_order_relaxed);
-  return cudaSuccess;
+  return once_per_device(g_resident_pairs, out, [sms](int* n) {
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = pair_launch_config(sms / 2 * 2, nullptr, &attr);
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(n, forward_kernel, &cfg);
+    if (e == cudaSuccess && *n < 0) *n = 0;
+    return e;
+  });
 }
 
 // The launch's grid and whether it runs in pair mode. One CTA per SM, every CTA resident: the
