@@ -6,24 +6,93 @@ the host's time, by own time and by cumulative time.
     torchrun --nproc-per-node 2 scripts/host_profile.py --experts 6 --backend cuda   (P = 2)
 
 The host time matters when nothing else is queued on the GPU (a synchronised benchmark, the
-first layer after a sync): the launch of the persistent kernel waits for all of it. Needs the
-CUDA library (an sm_90 GPU).
+first layer after a sync): the launch of the persistent kernel waits for all of it. With
+--to-launch it instead times synchronised calls (each alone, as a synchronised benchmark makes
+them) and prints, per step of the megakernel backend's host path, the median host time from the
+call's start to the step's end, ending with the launch of the persistent kernel, and the GPU time
+of the whole call. Needs the CUDA library (an sm_90 GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import os
 import pstats
+import statistics
 import time
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
 
 from megatron_mok import MoKConfig
+from megatron_mok.bench.timing import align_ranks
 from megatron_mok.functional import check_errors, mok_moe
+
+# Steps of the megakernel backend's host path, in the order a call reaches them: (label, module
+# attribute path) of each function whose return is timed from the call's start. Steps a version
+# of the package does not have are left out (the twelfth session's path published, met and
+# scheduled in three steps; since the thirteenth one call queues all three).
+LAUNCH_STEPS = [
+    ("checks, backend choice, tunables, workspace, argument checks", "functional.megakernel_backend._MegakernelMoE.forward"),
+    ("publish (4 copies)", "functional.workspace.Workspace.publish"),
+    ("barrier kernel", "functional.workspace.Workspace.barrier"),
+    ("schedule kernel", "functional.workspace.Workspace.build_schedule"),
+    ("publish, barrier and schedule in one call", "functional.workspace.Workspace.dispatch"),
+    ("megakernel launch (its checks, args, tensor maps, reset kernel, launch)", "ops.megakernel.megakernel_forward.impl"),
+    ("megakernel launch (args, tensor maps, reset kernel, launch)", "ops.megakernel.launch_forward"),
+]
+
+
+def _resolve(path: str):
+    import megatron_mok
+
+    *parents, name = path.split(".")
+    obj = megatron_mok
+    for part in parents:
+        obj = getattr(obj, part)
+    return obj, name
+
+
+def time_to_launch(call: Callable[[], object], iters: int, group) -> Dict[str, float]:
+    """Median host milliseconds from the start of a synchronised ``call`` to the end of each
+    step of :data:`LAUNCH_STEPS` (the first step: to its start), and the call's GPU time."""
+    marks: Dict[str, List[float]] = {label: [] for label, _ in LAUNCH_STEPS}
+    start = [0.0]
+    originals = []
+    for i, (label, path) in enumerate(LAUNCH_STEPS):
+        owner, name = _resolve(path)
+        fn = getattr(owner, name, None)
+        if fn is None:
+            continue
+        originals.append((owner, name, fn))
+
+        def timed(*a, _fn=fn, _label=label, _first=(i == 0), **kw):
+            if _first:  # the backend's forward: time to where it starts
+                marks[_label].append(time.perf_counter() - start[0])
+                return _fn(*a, **kw)
+            out = _fn(*a, **kw)
+            marks[_label].append(time.perf_counter() - start[0])
+            return out
+        setattr(owner, name, staticmethod(timed) if i == 0 else timed)
+    gpu: List[float] = []
+    try:
+        for _ in range(iters):
+            align_ranks(group, torch.device("cuda", torch.cuda.current_device()))
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start[0] = time.perf_counter()
+            a.record()
+            call()
+            b.record()
+            b.synchronize()
+            gpu.append(a.elapsed_time(b))
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, staticmethod(fn) if name == "forward" else fn)
+    out = {label: 1e3 * statistics.median(v) for label, v in marks.items() if len(v) == iters}
+    out["GPU time of the call"] = statistics.median(gpu)
+    return out
 
 
 def main() -> None:
@@ -37,6 +106,8 @@ def main() -> None:
     ap.add_argument("--grad", action="store_true", help="calls that need a backward (forward only is timed)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--to-launch", action="store_true",
+                    help="time synchronised calls: host time to each step's end, up to the launch")
     args = ap.parse_args()
 
     group = None
@@ -60,11 +131,34 @@ def main() -> None:
     def call():
         return mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=config, backend=args.backend)
 
+    if args.to_launch:
+        if args.backend != "megakernel":
+            raise SystemExit("--to-launch times the megakernel backend's steps")
+        with torch.set_grad_enabled(args.grad):
+            for _ in range(3):
+                call()
+            steps = time_to_launch(call, args.iters, group)
+            check_errors()
+        if rank == 0:
+            print(f"P={P} T={T} K={K} H={H} I={I} L={L}/GPU grad={args.grad}: synchronised calls, "
+                  f"medians of {args.iters}, ms from the call's start")
+            for label, ms in steps.items():
+                print(f"  {ms:7.3f}  {label}")
+        if group is not None:
+            dist.barrier()
+            dist.destroy_process_group()
+        return
+
     with torch.set_grad_enabled(args.grad):
         for _ in range(3):
             call()
         torch.cuda.synchronize()
         check_errors()
+        h0 = time.perf_counter()
+        for _ in range(args.iters):
+            y = call()
+        plain_ms = (time.perf_counter() - h0) * 1e3 / args.iters
+        torch.cuda.synchronize()
         prof = cProfile.Profile()
         h0 = time.perf_counter()
         prof.enable()
@@ -77,12 +171,13 @@ def main() -> None:
     del y
     if rank == 0:
         print(f"P={P} T={T} K={K} H={H} I={I} L={L}/GPU backend={args.backend} grad={args.grad}: "
-              f"host {host_ms:.3f} ms per call (under cProfile)")
-        for key in ("tottime", "cumulative"):
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(args.top)
-            print(f"--- by {key}, {args.iters} calls")
-            print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:6000])
+              f"host {plain_ms:.3f} ms per call back to back, {host_ms:.3f} ms under cProfile")
+        stats = pstats.Stats(prof).stats  # {(file, line, name): (prim calls, calls, own s, cumulative s, callers)}
+        for col, label in ((3, "cumulative"), (2, "own")):
+            print(f"--- by {label} time, us per call of {args.backend} (calls per call)")
+            for (file, line, name), row in sorted(stats.items(), key=lambda kv: -kv[1][col])[:args.top]:
+                where = f"{os.path.basename(file)}:{line}" if line else file
+                print(f"  {row[col] / args.iters * 1e6:8.1f}  ({row[1] / args.iters:5.1f})  {name}  {where}")
     if group is not None:
         dist.barrier()
         dist.destroy_process_group()

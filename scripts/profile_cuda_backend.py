@@ -102,10 +102,8 @@ def main() -> None:
 
     # Stage by stage (forward), on the same workspace.
     ws = get_workspace(group, dev, tokens=T, hidden=H, topk=K, experts_per_rank=L, config=cfg)
-    ws.publish(x.detach(), ids, w.detach())
-    ws.barrier(1, 60.0)
     SEG = cfg.tile_rows
-    table, counts, offsets, cap = ws.build_schedule(SEG)
+    table, counts, offsets, cap = ws.dispatch(x.detach(), ids, w.detach(), 1, 60.0, SEG)
     ends = offsets[1:]
     x_disp, w_disp = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, table, offsets,
                                         K, cap, H, True, 0)

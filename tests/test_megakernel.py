@@ -580,6 +580,91 @@ def test_fake_impl_takes_a_second_weight_segment():
         assert y.shape == (37, 1024) and y.dtype == torch.bfloat16
 
 
+# ---- CPU: the backend's host path, with the GPU steps recorded instead of queued --------------
+
+class _RecordingWorkspace:
+    """The parts of a Workspace the megakernel backend's host path touches, on the CPU; dispatch
+    returns a schedule of the call's shape instead of queueing the prologue."""
+
+    def __init__(self, P, rank, shape):
+        self.P, self.rank, self.device = P, rank, torch.device("cpu")
+        self.layout = SimpleNamespace(hidden=shape.hidden, rows=1024, scalars=512, slots=4096)
+        self.bases = torch.zeros(P, dtype=torch.int64)
+        self.signal_bases = torch.zeros(P, dtype=torch.int64)
+        self.counter = torch.zeros(1, dtype=torch.int64)
+        self.status = torch.zeros(8, dtype=torch.int32)
+        self.prepared_calls = {}
+        self.timeout_s = float("nan")
+        self.capacity = P * shape.tokens * shape.topk + shape.experts_per_rank * 127
+        self.dispatched = []
+
+    def raise_if_failed(self, timeout_s):
+        pass
+
+    def dispatch(self, x, ids, scalars, site, timeout_s, tile_rows):
+        self.dispatched.append((x.shape, ids.shape, scalars.shape, site, timeout_s, tile_rows))
+        L = self.prepared_L
+        return (torch.zeros((self.capacity, 2), dtype=torch.int32), torch.zeros(L, dtype=torch.int32),
+                torch.zeros(L + 1, dtype=torch.int32), self.capacity)
+
+    def mirror_status(self):
+        pass
+
+
+class _TwoRankGroup:
+    """Stands for rank 1 of a two-rank process group (size() and rank(), hashable)."""
+
+    def size(self):
+        return 2
+
+    def rank(self):
+        return 1
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_backend_host_path_prepares_once_and_passes_the_launch_settings(use_lib, monkeypatch, grad):
+    shape = MoEShape(tokens=64, hidden=1024, topk=2, experts_per_rank=4, ffn_hidden=512)
+    ws = _RecordingWorkspace(2, 1, shape)
+    ws.prepared_L = shape.experts_per_rank
+    group = _TwoRankGroup()
+    monkeypatch.setattr(mkb, "get_workspace", lambda *a, **kw: ws)
+    monkeypatch.setattr(mkb, "sm_share", lambda device, ep_group: 132)
+    prepared, kernel_calls = [], []
+    real_prepare = mkb._prepare_launch
+    monkeypatch.setattr(mkb, "_prepare_launch", lambda *a: prepared.append(a) or real_prepare(*a))
+    monkeypatch.setattr(mk, "launch_forward",
+                        lambda *a, **kw: kernel_calls.append((a, kw)) or torch.zeros(shape.tokens, shape.hidden))
+    config = MoKConfig(timeout_s=7.0)
+    x = torch.zeros(shape.tokens, shape.hidden, dtype=torch.bfloat16, requires_grad=grad)
+    ids = torch.zeros(shape.tokens, shape.topk, dtype=torch.int64)
+    w = torch.zeros(shape.tokens, shape.topk)
+    fc1 = (torch.zeros(4, 1024, 1024, dtype=torch.bfloat16),)
+    fc2 = (torch.zeros(4, 1024, 512, dtype=torch.bfloat16),)
+    for _ in range(3):
+        y = mkb.megakernel_moe(x, ids, w, fc1, fc2, ep_group=group, config=config, shape=shape)
+        assert y.shape == (shape.tokens, shape.hidden)
+    assert len(prepared) == 1, "a (config, shape) is prepared and checked at its first call only"
+    assert len(ws.dispatched) == 3 and ws.dispatched[0] == ((64, 1024), (64, 2), (64, 2), 1, 7.0, mkb.BLOCK_ROWS)
+    resolved = mkb.resolve_tunables(config, shape, 2, 132)
+    assert len(kernel_calls) == 3
+    args, kw = kernel_calls[-1]
+    names = ["bases", "signal_bases", "rows_offset", "scalars_offset", "slots_offset", "table", "offsets", "counts",
+             "topk_ids", "fc1", "fc2", "ring_x", "ring_h", "ring_w", "counters", "epoch_counter", "status", "rank",
+             "minibatch_rows", "comm_ctas", "num_ctas", "timeout_ns", "trace", "save_x", "save_w", "save_gu",
+             "fc1_2", "fc2_2"]
+    a = dict(zip(names, args))
+    assert (a["rows_offset"], a["scalars_offset"], a["slots_offset"], a["rank"]) == (1024, 512, 4096, 1)
+    assert a["minibatch_rows"] == resolved.minibatch_rows and a["ring_x"].shape == (resolved.ring_rows, 1024)
+    want_comm = resolved.comm_sms_forward if grad else config.forward_comm_sms(resolved, saves_activations=False)
+    assert a["comm_ctas"] == want_comm and a["num_ctas"] == 0 and a["timeout_ns"] == 7 * 10 ** 9
+    assert a["table"].shape == (ws.capacity, 2) and a["offsets"].shape == (5,) and a["trace"] is None
+    assert (a["save_x"] is not None) == grad and (grad or a["save_gu"] is None)
+    if grad:
+        assert a["save_x"].shape == (ws.capacity, 1024) and a["save_gu"].shape == (ws.capacity, 1024)
+    assert kw == {"pairs": mkb.use_pairs(resolved)}
+    assert ws.timeout_s == 7.0
+
+
 # ---- GPU -------------------------------------------------------------------------------------
 
 def _leaves(case, rank):

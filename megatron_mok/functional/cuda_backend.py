@@ -56,12 +56,15 @@ def unsupported_reason(shape: MoEShape, config: MoKConfig) -> str | None:
     return None
 
 
+GEMM_ENV = "MOK_GROUPED_GEMM"
+
+
 def hopper_gemms_apply(shape: MoEShape, tile_rows: int) -> bool:
     """Whether MoK's Hopper grouped GEMMs (csrc/include/mok/grouped_gemm.h) take this shape:
     fc2 and the fc1 data gradient need H % 256 == 0, the weight gradients 2I % 128 == 0,
     H % 256 == 0 and I % 256 == 0; layouts padded to 64 or 128 rows. ``MOK_GROUPED_GEMM=torch``
     in the environment turns them off (for A/B measurements)."""
-    if os.environ.get("MOK_GROUPED_GEMM", "mok") == "torch":
+    if os.environ.get(GEMM_ENV, "mok") == "torch":
         return False
     return tile_rows in GPU_TILE_ROWS and shape.hidden % 256 == 0 and shape.ffn_hidden % 256 == 0
 
@@ -194,9 +197,8 @@ class _CudaMoE(torch.autograd.Function):
         ws.raise_if_failed(call.timeout_s)
         T, K = topk_ids.shape
         H = x.shape[1]
-        ws.publish(x, topk_ids, topk_weights)
-        ws.barrier(SITE_FWD_DISPATCH, call.timeout_s)
-        table, counts, offsets, capacity = ws.build_schedule(call.segment_rows)
+        table, counts, offsets, capacity = ws.dispatch(x, topk_ids, topk_weights, SITE_FWD_DISPATCH, call.timeout_s,
+                                                       call.segment_rows)
         x_disp, w_disp = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, table, offsets,
                                             K, capacity, H, True, call.comm_blocks)
         if fc1_2 is not None:  # weight segments (segmented_gemms_apply holds)
@@ -229,7 +231,7 @@ class _CudaMoE(torch.autograd.Function):
         ws.raise_if_failed(call.timeout_s)
         T, K, H = ctx.tokens, ws.layout.topk, ws.layout.hidden
         capacity = table.shape[0]
-        ws.publish(None, None, None, rows=dy.to(torch.bfloat16).contiguous())
+        ws.publish_rows(dy.to(torch.bfloat16).contiguous())
         ws.barrier(SITE_BWD_DISPATCH, call.timeout_s)
         d_out, _ = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, 0, table, offsets, K, capacity, H,
                                       False, call.comm_blocks)

@@ -8,7 +8,7 @@ concurrently on the one device. They do not replace real multi-GPU runs.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import os
 
@@ -70,13 +70,21 @@ class LocalEPRank:
 EPGroup = Union[None, dist.ProcessGroup, LocalEPRank]
 
 
+_process_group_size_rank: Dict[dist.ProcessGroup, Tuple[int, int]] = {}
+
+
 def group_size_rank(ep_group: EPGroup) -> Tuple[int, int]:
     """(P, this rank's index) of an EP group; (1, 0) for None."""
     if ep_group is None:
         return 1, 0
     if isinstance(ep_group, LocalEPRank):
         return ep_group.group.size, ep_group.rank
-    return ep_group.size(), ep_group.rank()  # the ProcessGroup methods: dist.get_rank(group) costs ~10 us of host time
+    # A process group's size and rank never change; asking it (or dist.get_rank(group)) costs
+    # ~10 us of host time, twice per layer call (scripts/host_profile.py on the GPU machine).
+    known = _process_group_size_rank.get(ep_group)
+    if known is None:
+        known = _process_group_size_rank[ep_group] = (ep_group.size(), ep_group.rank())
+    return known
 
 
 def global_rank_name(ep_group: EPGroup, rank: int) -> str:

@@ -8,13 +8,15 @@ allows (:func:`unsupported_reason`).
 
 Forward, on every rank:
 
-1. publish x, topk_ids, topk_weights into the workspace; barrier (as the ``cuda`` backend);
-2. schedule (``mok_build_schedule``);
-3. ``mok::megakernel_forward``: comm CTAs pull the routed token rows into a fixed-size ring,
-   minibatch by minibatch, and push finished output rows to their home ranks' (token, slot);
-   compute CTAs run fc1 + SwiGLU (router weight applied per row) and fc2 tile by tile as soon
-   as a row block has landed; ring slots are reused once pushed; a combine-done flag exchange,
-   then the fixed-order sum over the top-k slots. Memory: the ring, ``ring_rows * (H + I) * 2
+1. the ``cuda`` backend's prologue in one host call (``Workspace.dispatch``): publish x,
+   topk_ids, topk_weights into the workspace, barrier, schedule (``mok_build_schedule``);
+2. ``mok::megakernel_forward`` (eagerly ``launch_forward``: the backend checked its arguments
+   when it prepared the (config, shape), ``Workspace.prepared_calls``): comm CTAs pull the
+   routed token rows into a fixed-size ring, minibatch by minibatch; compute CTAs run fc1 +
+   SwiGLU (router weight applied per row) and fc2 tile by tile as soon as a row block has
+   landed, fc2's epilogue storing the output rows into their home ranks' (token, slot); ring
+   slots are reused once their fc2 tiles are done; a combine-done flag exchange, then the
+   fixed-order sum over the top-k slots. Memory: the ring, ``ring_rows * (H + I) * 2
    + ring_rows * 4`` bytes plus the counters, fixed by the config whatever the routing.
 
 Backward: when the call needs one, the launch also writes the activations the ``cuda``
@@ -165,15 +167,26 @@ def get_ring(ws: Workspace, ring_rows: int, ffn_hidden: int) -> _Ring:
 
 
 @dataclass(frozen=True)
-class _Call:
-    ws: Workspace
+class _Launch:
+    """What every call of one (config, shape) on one workspace launches with (no reference to the
+    workspace, which keeps these in :attr:`Workspace.prepared_calls`)."""
+
     ring: _Ring
     config: MoKConfig       # resolved
     num_ctas: int
     timeout_s: float
-    cuda_call: cuda_backend._Call
     pairs: bool             # ask for clusters of two CTAs (use_pairs)
     comm_ctas_no_grad: int  # comm CTAs of a launch that saves no activations (forward_comm_sms)
+    num_experts: int        # E = P x L
+    hopper_gemms: bool      # the backward's GEMMs (cuda_backend.hopper_gemms_apply)
+    fused_swiglu: tuple     # (cuda_backend.fused_swiglu_apply)
+
+
+@dataclass(frozen=True)
+class _Call:
+    ws: Workspace
+    launch: _Launch
+    cuda_call: cuda_backend._Call  # the backward's
 
 
 class _MegakernelMoE(torch.autograd.Function):
@@ -181,32 +194,35 @@ class _MegakernelMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, call: _Call, fc1_2=None, fc2_2=None):
-        ws, ring, cfg = call.ws, call.ring, call.config
+        ws, launch = call.ws, call.launch
+        ring, cfg = launch.ring, launch.config
         training = any(ctx.needs_input_grad)
-        comm_ctas = cfg.comm_sms_forward if training else call.comm_ctas_no_grad
-        ws.raise_if_failed(call.timeout_s)
-        ws.publish(x, topk_ids, topk_weights)
-        ws.barrier(cuda_backend.SITE_FWD_DISPATCH, call.timeout_s)
-        table, counts, offsets, _ = ws.build_schedule(BLOCK_ROWS)
+        comm_ctas = cfg.comm_sms_forward if training else launch.comm_ctas_no_grad
+        ws.raise_if_failed(launch.timeout_s)
+        table, counts, offsets, _ = ws.dispatch(x, topk_ids, topk_weights, cuda_backend.SITE_FWD_DISPATCH,
+                                                launch.timeout_s, BLOCK_ROWS)
         trace = None
         if os.environ.get(TRACE_ENV) == "1":
             H, I = fc2.shape[1], fc2.shape[2]
             trace = torch.zeros((mk_ops.trace_records(table.shape[0], H, I), len(mk_ops.TRACE_FIELDS)),
                                 dtype=torch.int64, device=x.device)
             _last_trace.update(records=trace, minibatch_rows=cfg.minibatch_rows, ring_rows=cfg.ring_rows,
-                               comm_ctas=comm_ctas, hidden=H, ffn_hidden=I, num_ctas=call.num_ctas,
-                               pairs=call.pairs)
+                               comm_ctas=comm_ctas, hidden=H, ffn_hidden=I, num_ctas=launch.num_ctas,
+                               pairs=launch.pairs)
         saved = (None, None, None)
         if training:  # the cuda backend's activations, written by the launch
             R, H, two_i = table.shape[0], fc1.shape[2], fc1.shape[1]
             saved = (torch.empty((R, H), dtype=torch.bfloat16, device=x.device),
                      torch.empty((R,), dtype=torch.float32, device=x.device),
                      torch.empty((R, two_i), dtype=torch.bfloat16, device=x.device))
-        y = mk_ops.megakernel_forward(
+        # The backend checked every argument when it prepared the call (and built the schedule,
+        # trace and copies here): the eager path skips the op's checks, torch.compile sees the op.
+        run_kernel = mk_ops.megakernel_forward if torch.compiler.is_compiling() else mk_ops.launch_forward
+        y = run_kernel(
             ws.bases, ws.signal_bases, ws.layout.rows, ws.layout.scalars, ws.layout.slots, table, offsets, counts,
             topk_ids, fc1, fc2, ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, ws.rank,
-            cfg.minibatch_rows, comm_ctas, call.num_ctas, int(call.timeout_s * 1e9), trace, *saved,
-            fc1_2, fc2_2, pairs=call.pairs)
+            cfg.minibatch_rows, comm_ctas, launch.num_ctas, int(launch.timeout_s * 1e9), trace, *saved,
+            fc1_2, fc2_2, pairs=launch.pairs)
         ws.mirror_status()
         if training:
             ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, *saved, counts, fc1_2, fc2_2)
@@ -237,29 +253,50 @@ def megakernel_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_grou
         MoKConfigError: tunables that do not fit the megakernel or the device (before any GPU
             work).
     """
-    P, _ = group_size_rank(ep_group)
-    share = sm_share(x.device, ep_group)
-    resolved = resolve_tunables(config, shape, P, share)
     ws = get_workspace(ep_group, x.device, tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk,
                        experts_per_rank=shape.experts_per_rank, config=config)
-    ws.timeout_s = float(config.timeout_s)
-    ring = get_ring(ws, resolved.ring_rows, shape.ffn_hidden)
-    cuda_call = cuda_backend._Call(ws=ws, segment_rows=BLOCK_ROWS, timeout_s=float(config.timeout_s),
-                                   num_experts=P * shape.experts_per_rank, comm_blocks=0,
-                                   hopper_gemms=cuda_backend.hopper_gemms_apply(shape, BLOCK_ROWS),
-                                   fused_swiglu=cuda_backend.fused_swiglu_apply(shape, BLOCK_ROWS))
-    num_ctas = share if isinstance(ep_group, LocalEPRank) else 0
-    call = _Call(ws=ws, ring=ring, config=resolved, num_ctas=num_ctas, timeout_s=float(config.timeout_s),
-                 cuda_call=cuda_call, pairs=use_pairs(resolved),
-                 comm_ctas_no_grad=config.forward_comm_sms(resolved, saves_activations=False))
+    # Everything but the tensors' addresses follows from these, so a launch is prepared and
+    # checked once (later calls of the key have the same shapes and dtypes: mok_moe checked them).
+    key = ("megakernel", config, shape, os.environ.get(cuda_backend.GEMM_ENV), os.environ.get(cuda_backend.SWIGLU_ENV))
+    launch = ws.prepared_calls.get(key)
+    first = launch is None
+    if first:
+        launch = _prepare_launch(ws, ep_group, x.device, config, shape)
+    ws.timeout_s = launch.timeout_s
+    cuda_call = cuda_backend._Call(ws=ws, segment_rows=BLOCK_ROWS, timeout_s=launch.timeout_s,
+                                   num_experts=launch.num_experts, comm_blocks=0, hopper_gemms=launch.hopper_gemms,
+                                   fused_swiglu=launch.fused_swiglu)
     x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
     # Segments stay where they are when the backward's GEMMs can read them too; else one copy.
     fc1, fc2, fc1_2, fc2_2 = cuda_backend.weight_arguments(fc1_weight, fc2_weight, cuda_call)
-    # Everything the launch will check, before any GPU work (the schedule is built later). A
-    # launch without grad takes fewer comm CTAs, still at least 2, so these checks cover it.
-    mk_ops.check_forward_args(ws.bases, ws.signal_bases, None, None, None, topk_ids, fc1, fc2,
-                              ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, rank=ws.rank,
-                              minibatch_rows=resolved.minibatch_rows, comm_ctas=resolved.comm_sms_forward,
-                              num_ctas=num_ctas, timeout_ns=int(config.timeout_s * 1e9),
-                              fc1_weight2=fc1_2, fc2_weight2=fc2_2)
+    if first:
+        # Everything the launch will check, before any GPU work (the schedule is built later). A
+        # launch without grad takes fewer comm CTAs, still at least 2, so these checks cover it.
+        ring, cfg = launch.ring, launch.config
+        mk_ops.check_forward_args(ws.bases, ws.signal_bases, None, None, None, topk_ids, fc1, fc2, ring.x, ring.h,
+                                  ring.w, ring.counters, ws.counter, ws.status, rank=ws.rank,
+                                  minibatch_rows=cfg.minibatch_rows, comm_ctas=cfg.comm_sms_forward,
+                                  num_ctas=launch.num_ctas, timeout_ns=int(launch.timeout_s * 1e9),
+                                  fc1_weight2=fc1_2, fc2_weight2=fc2_2)
+        ws.prepared_calls[key] = launch
+    call = _Call(ws=ws, launch=launch, cuda_call=cuda_call)
     return _MegakernelMoE.apply(x, topk_ids, topk_weights, fc1, fc2, call, fc1_2, fc2_2)
+
+
+def _prepare_launch(ws: Workspace, ep_group: EPGroup, device: torch.device, config: MoKConfig,
+                    shape: MoEShape) -> _Launch:
+    """The settings every call of this shape and config on workspace ``ws`` launches with:
+    resolved tunables, the ring, the backward's GEMM choices.
+
+    Raises:
+        MoKConfigError: tunables that do not fit the megakernel or the device.
+    """
+    P, _ = group_size_rank(ep_group)
+    share = sm_share(device, ep_group)
+    resolved = resolve_tunables(config, shape, P, share)
+    return _Launch(ring=get_ring(ws, resolved.ring_rows, shape.ffn_hidden), config=resolved,
+                   num_ctas=share if isinstance(ep_group, LocalEPRank) else 0, timeout_s=float(config.timeout_s),
+                   pairs=use_pairs(resolved), comm_ctas_no_grad=config.forward_comm_sms(resolved, saves_activations=False),
+                   num_experts=P * shape.experts_per_rank,
+                   hopper_gemms=cuda_backend.hopper_gemms_apply(shape, BLOCK_ROWS),
+                   fused_swiglu=cuda_backend.fused_swiglu_apply(shape, BLOCK_ROWS))

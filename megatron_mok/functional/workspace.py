@@ -23,13 +23,14 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..config import MoKConfig
 from ..ops import comm as comm_ops
+from ..ops import prologue as prologue_ops
 from ..ops import schedule as schedule_ops
 from .groups import EPGroup, LocalEPRank, global_rank_name, group_size_rank
 
@@ -131,8 +132,13 @@ class Workspace:
         # next call without synchronising.
         self.status = torch.zeros(8, dtype=torch.int32, device=self.device)
         self.status_host = torch.zeros(8, dtype=torch.int32, pin_memory=True)
+        self._status_host_view = self.status_host.numpy()  # the same memory, read without torch's indexing
         self.scratch = torch.empty(max(1, schedule_ops.scratch_ints(self.P, T, K, experts_per_rank)),
                                    dtype=torch.int32, device=self.device)
+        self._table_rows: Dict[int, int] = {}  # schedule table capacity per tile_rows
+        # The backends' launch settings per (backend, config, shape, ...), prepared and checked at
+        # a key's first call (host time: every layer of every step asks the same questions).
+        self.prepared_calls: Dict[tuple, object] = {}
         view = lambda off, n, dtype: region[off:off + n * dtype.itemsize].view(dtype)
         self.ntok = view(layout.ntok, 1, torch.int32)
         self.ids = view(layout.ids, T * K, torch.int64).view(T, K)
@@ -160,7 +166,7 @@ class Workspace:
         """Raise the error an earlier call's kernels recorded, if any. Reads the pinned host
         copy: no device synchronisation (a problem shows up at the next call, or at once
         after a synchronisation)."""
-        flags = int(self.status_host[0])
+        flags = int(self._status_host_view[0])
         if flags == 0:
             return
         value, peer, site, rank = (int(v) for v in self.status_host[1:5])
@@ -187,17 +193,11 @@ class Workspace:
 
     # -- per-call steps --------------------------------------------------------------------
 
-    def publish(self, x: Optional[torch.Tensor], ids: Optional[torch.Tensor], scalars: Optional[torch.Tensor],
-                rows: Optional[torch.Tensor] = None) -> None:
-        """Copy this rank's inputs into its region for the peers to pull."""
-        if ids is not None:
-            self.ids[: ids.shape[0]].copy_(ids)
-            self.ntok.fill_(ids.shape[0])
-        if scalars is not None:
-            self.scalars[: scalars.shape[0]].copy_(scalars)
-        src = x if x is not None else rows
-        if src is not None:
-            self.rows[: src.shape[0]].copy_(src)
+    def publish_rows(self, rows: torch.Tensor) -> None:
+        """Copy this rank's rows (bf16 [T, H], the backward's output gradients) into its region for
+        the peers to pull (a forward publishes its tokens, ids and router weights in
+        :meth:`dispatch`)."""
+        self.rows[: rows.shape[0]].copy_(rows)
 
     def barrier(self, site: int, timeout_s: float) -> None:
         """Device-side barrier of the EP group (no-op for P = 1)."""
@@ -205,19 +205,32 @@ class Workspace:
             return
         comm_ops.barrier(self.signal_bases, self.rank, self.counter, int(timeout_s * 1e9), site, self.status)
 
-    def build_schedule(self, tile_rows: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """Run the schedule kernel over every rank's published ids.
+    def _schedule_outputs(self, tile_rows: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        L = self.experts_per_rank
+        capacity = self._table_rows.get(tile_rows)
+        if capacity is None:
+            capacity = schedule_ops.table_rows(self.P, self.layout.max_tokens, self.layout.topk, L, tile_rows)
+            self._table_rows[tile_rows] = capacity
+        table = torch.empty((capacity, 2), dtype=torch.int32, device=self.device)
+        counts = torch.empty(L, dtype=torch.int32, device=self.device)
+        offsets = torch.empty(L + 1, dtype=torch.int32, device=self.device)
+        return table, counts, offsets, capacity
+
+    def dispatch(self, x: torch.Tensor, ids: torch.Tensor, scalars: torch.Tensor, site: int, timeout_s: float,
+                 tile_rows: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """A forward's prologue, queued by one host call (``mok::dispatch_prologue``): publish x
+        bf16 [T, H], ids int64 [T, K] and scalars fp32 [T, K] (contiguous) for the peers to pull,
+        the barrier of the EP group at ``site``, then the schedule kernel over every rank's ids.
 
         Returns:
             (table int32 [R_cap, 2], counts int32 [L], offsets int32 [L + 1], R_cap).
         """
-        L, K, T = self.experts_per_rank, self.layout.topk, self.layout.max_tokens
-        capacity = schedule_ops.table_rows(self.P, T, K, L, tile_rows)
-        table = torch.empty((capacity, 2), dtype=torch.int32, device=self.device)
-        counts = torch.empty(L, dtype=torch.int32, device=self.device)
-        offsets = torch.empty(L + 1, dtype=torch.int32, device=self.device)
-        schedule_ops.build_schedule_op(self.ids_ptrs, self.ntok_ptrs, T, K, self.rank, L, tile_rows,
-                                       table, counts, offsets, self.scratch, self.status)
+        table, counts, offsets, capacity = self._schedule_outputs(tile_rows)
+        lay = self.layout
+        prologue_ops.dispatch_prologue(x, ids, scalars, self.region, lay.rows, lay.ids, lay.scalars, lay.ntok,
+                                       self.signal_bases, self.counter, int(timeout_s * 1e9), site, self.status,
+                                       self.ids_ptrs, self.ntok_ptrs, self.rank, lay.max_tokens,
+                                       self.experts_per_rank, tile_rows, table, counts, offsets, self.scratch)
         return table, counts, offsets, capacity
 
 

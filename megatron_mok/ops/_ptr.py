@@ -14,8 +14,11 @@ def ptr(t: Optional[torch.Tensor]) -> ctypes.c_void_p:
 
 
 def stream_of(t: torch.Tensor) -> ctypes.c_void_p:
-    """The current CUDA stream of ``t``'s device, as a cudaStream_t."""
-    return ctypes.c_void_p(torch.cuda.current_stream(t.device).cuda_stream)
+    """The current CUDA stream of ``t``'s device, as a cudaStream_t (the raw handle, without the
+    ``torch.cuda.Stream`` object that ``torch.cuda.current_stream`` builds: ~4 us of host time
+    per launch)."""
+    index = t.device.index
+    return ctypes.c_void_p(torch._C._cuda_getCurrentRawStream(torch.cuda.current_device() if index is None else index))
 
 
 def pointer_table(tensors, device) -> torch.Tensor:

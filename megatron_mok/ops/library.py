@@ -42,6 +42,7 @@ class MokLibrary:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self._functions = {}
         try:
             self._dll = ctypes.CDLL(str(self.path))
         except OSError as err:
@@ -57,10 +58,14 @@ class MokLibrary:
             )
 
     def function(self, name: str, restype, argtypes):
-        """The C function ``name`` with its signature set (idempotent)."""
-        fn = getattr(self._dll, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
+        """The C function ``name`` with its signature set (the first signature given for a name
+        is kept: setting ctypes signatures costs host time on every call of a layer)."""
+        fn = self._functions.get(name)
+        if fn is None:
+            fn = getattr(self._dll, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+            self._functions[name] = fn
         return fn
 
     def check(self, code: int, what: str) -> None:

@@ -302,6 +302,20 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
         if trace.shape[1] != len(TRACE_FIELDS):
             _fail(f"trace must be [N, {len(TRACE_FIELDS)}], got {tuple(trace.shape)}")
     check_save_args(save_x, save_w, save_gu, table, fc1_weight)
+    return launch_forward(bases, signal_bases, rows_offset, scalars_offset, slots_offset, table, offsets, counts,
+                          topk_ids, fc1_weight, fc2_weight, ring_x, ring_h, ring_w, counters, epoch_counter, status,
+                          rank, minibatch_rows, comm_ctas, num_ctas, timeout_ns, trace, save_x, save_w, save_gu,
+                          fc1_weight2, fc2_weight2, pairs)
+
+
+def launch_forward(bases, signal_bases, rows_offset, scalars_offset, slots_offset, table, offsets, counts, topk_ids,
+                   fc1_weight, fc2_weight, ring_x, ring_h, ring_w, counters, epoch_counter, status, rank,
+                   minibatch_rows, comm_ctas, num_ctas, timeout_ns, trace, save_x, save_w, save_gu, fc1_weight2,
+                   fc2_weight2, pairs=False) -> torch.Tensor:
+    """:func:`megakernel_forward` without the Python argument checks, for callers that checked
+    them already (the megakernel backend checks its workspace, ring and weights once per shape and
+    builds the schedule and the training copies itself); the C side still checks every size before
+    it queues anything. Same arguments and result."""
     T, K = topk_ids.shape
     L1, two_i, H = fc1_weight.shape
     L = L1 + (fc1_weight2.shape[0] if fc1_weight2 is not None else 0)
