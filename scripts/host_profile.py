@@ -9,14 +9,20 @@ The host time matters when nothing else is queued on the GPU (a synchronised ben
 first layer after a sync): the launch of the persistent kernel waits for all of it. With
 --to-launch it instead times synchronised calls (each alone, as a synchronised benchmark makes
 them) and prints, per step of the megakernel backend's host path, the median host time from the
-call's start to the step's end, ending with the launch of the persistent kernel, and the GPU time
-of the whole call. Needs the CUDA library (an sm_90 GPU).
+call's start to the step (its start or return), ending with the launch of the persistent kernel,
+and the GPU time of the whole call. Needs the CUDA library (an sm_90 GPU).
+
+Keep --iters below ~100 for the profile: calls queued back to back fill the CUDA launch queue
+after about that many, and the host then blocks in whichever launch finds it full
+(docs/perf-notes.md, thirteenth session).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import inspect
 import os
 import pstats
 import statistics
@@ -31,17 +37,22 @@ from megatron_mok.bench.timing import align_ranks
 from megatron_mok.functional import check_errors, mok_moe
 
 # Steps of the megakernel backend's host path, in the order a call reaches them: (label, module
-# attribute path) of each function whose return is timed from the call's start. Steps a version
-# of the package does not have are left out (the twelfth session's path published, met and
-# scheduled in three steps; since the thirteenth one call queues all three).
+# attribute path, "start" or "end") of each function whose start or return is timed from the
+# call's start. Steps a version of the package does not have are left out (the twelfth
+# session's path published, met and scheduled in three steps; since the thirteenth one call
+# queues all three).
 LAUNCH_STEPS = [
-    ("checks, backend choice, tunables, workspace, argument checks", "functional.megakernel_backend._MegakernelMoE.forward"),
-    ("publish (4 copies)", "functional.workspace.Workspace.publish"),
-    ("barrier kernel", "functional.workspace.Workspace.barrier"),
-    ("schedule kernel", "functional.workspace.Workspace.build_schedule"),
-    ("publish, barrier and schedule in one call", "functional.workspace.Workspace.dispatch"),
-    ("megakernel launch (its checks, args, tensor maps, reset kernel, launch)", "ops.megakernel.megakernel_forward.impl"),
-    ("megakernel launch (args, tensor maps, reset kernel, launch)", "ops.megakernel.launch_forward"),
+    ("input checks (check_inputs)", "functional.check_inputs", "end"),
+    ("backend choice (select_backend)", "functional.select_backend", "end"),
+    ("workspace lookup", "functional.megakernel_backend.get_workspace", "end"),
+    ("weight arguments", "functional.cuda_backend.weight_arguments", "end"),
+    ("the autograd function's forward starts", "functional.megakernel_backend._MegakernelMoE.forward", "start"),
+    ("publish (4 copies)", "functional.workspace.Workspace.publish", "end"),
+    ("barrier kernel", "functional.workspace.Workspace.barrier", "end"),
+    ("schedule kernel", "functional.workspace.Workspace.build_schedule", "end"),
+    ("publish, barrier and schedule in one call", "functional.workspace.Workspace.dispatch", "end"),
+    ("megakernel launch (its checks, args, tensor maps, reset kernel, launch)", "ops.megakernel.megakernel_forward.impl", "end"),
+    ("megakernel launch (args, tensor maps, reset kernel, launch)", "ops.megakernel.launch_forward", "end"),
 ]
 
 
@@ -55,29 +66,45 @@ def _resolve(path: str):
     return obj, name
 
 
-def time_to_launch(call: Callable[[], object], iters: int, group) -> Dict[str, float]:
-    """Median host milliseconds from the start of a synchronised ``call`` to the end of each
-    step of :data:`LAUNCH_STEPS` (the first step: to its start), and the call's GPU time."""
-    marks: Dict[str, List[float]] = {label: [] for label, _ in LAUNCH_STEPS}
-    start = [0.0]
+@contextlib.contextmanager
+def timed_steps(steps, clock: Callable[[], float]):
+    """Within the block, every function of ``steps`` ((label, attribute path under megatron_mok,
+    "start" or "end")) appends ``clock()`` at its start or return to ``marks[label]``; the
+    functions are restored after. Yields ``marks``; paths this version lacks are skipped."""
+    marks: Dict[str, List[float]] = {label: [] for label, _, _ in steps}
     originals = []
-    for i, (label, path) in enumerate(LAUNCH_STEPS):
-        owner, name = _resolve(path)
-        fn = getattr(owner, name, None)
-        if fn is None:
+    for label, path, at in steps:
+        try:
+            owner, name = _resolve(path)
+        except AttributeError:
             continue
-        originals.append((owner, name, fn))
+        if not hasattr(owner, name):
+            continue
+        raw = inspect.getattr_static(owner, name)
+        fn = getattr(owner, name)
 
-        def timed(*a, _fn=fn, _label=label, _first=(i == 0), **kw):
-            if _first:  # the backend's forward: time to where it starts
-                marks[_label].append(time.perf_counter() - start[0])
+        def timed(*a, _fn=fn, _label=label, _at=at, **kw):
+            if _at == "start":
+                marks[_label].append(clock())
                 return _fn(*a, **kw)
             out = _fn(*a, **kw)
-            marks[_label].append(time.perf_counter() - start[0])
+            marks[_label].append(clock())
             return out
-        setattr(owner, name, staticmethod(timed) if i == 0 else timed)
-    gpu: List[float] = []
+        originals.append((owner, name, raw))
+        setattr(owner, name, staticmethod(timed) if isinstance(raw, staticmethod) else timed)
     try:
+        yield marks
+    finally:
+        for owner, name, raw in reversed(originals):
+            setattr(owner, name, raw)
+
+
+def time_to_launch(call: Callable[[], object], iters: int, group) -> Dict[str, float]:
+    """Median host milliseconds from the start of a synchronised ``call`` to each step of
+    :data:`LAUNCH_STEPS`, and the call's GPU time."""
+    start = [0.0]
+    gpu: List[float] = []
+    with timed_steps(LAUNCH_STEPS, lambda: time.perf_counter() - start[0]) as marks:
         for _ in range(iters):
             align_ranks(group, torch.device("cuda", torch.cuda.current_device()))
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -87,9 +114,6 @@ def time_to_launch(call: Callable[[], object], iters: int, group) -> Dict[str, f
             b.record()
             b.synchronize()
             gpu.append(a.elapsed_time(b))
-    finally:
-        for owner, name, fn in originals:
-            setattr(owner, name, staticmethod(fn) if name == "forward" else fn)
     out = {label: 1e3 * statistics.median(v) for label, v in marks.items() if len(v) == iters}
     out["GPU time of the call"] = statistics.median(gpu)
     return out

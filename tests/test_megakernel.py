@@ -30,7 +30,8 @@ import pytest
 import torch
 
 from megatron_mok import MoKConfig, MoKConfigError, _build
-from megatron_mok.functional import BackendUnavailable, LocalEPGroup, MoKTimeoutError, check_errors, mok_moe
+from megatron_mok.functional import (BackendUnavailable, LocalEPGroup, MoKInputError, MoKTimeoutError, check_errors,
+                                     mok_moe)
 from megatron_mok.functional import backends, megakernel_backend as mkb
 from megatron_mok.functional.validate import MoEShape
 from megatron_mok.ops import library
@@ -1066,3 +1067,35 @@ def test_timeline_bound_times_each_side_in_blocks_after_warmup(monkeypatch):
                                    rank=1, label="test", device=torch.device("cpu"))
     assert order == ["mk"] * 5 + ["mm"] * 10 + ["mk"] * 5
     assert 12.0 <= mk_ms < 12.0 + 50 and 3.0 <= mm_ms < 3.0 + 50 and mk_ms > mm_ms
+
+
+
+def test_host_profile_times_steps_at_start_or_return_and_restores_them():
+    # scripts/host_profile.py --to-launch's instrument: a step marks the clock when its function
+    # starts or returns, a path this version lacks is skipped, and everything is put back
+    # (a staticmethod as a staticmethod).
+    import importlib.util
+    from pathlib import Path
+
+    import megatron_mok.functional as functional
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "host_profile.py"
+    spec = importlib.util.spec_from_file_location("host_profile", path)
+    hp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hp)
+    steps = [("checks", "functional.check_inputs", "end"),
+             ("forward", "functional.megakernel_backend._MegakernelMoE.forward", "start"),
+             ("gone", "functional.no_such_step", "end")]
+    before = (functional.check_inputs, mkb._MegakernelMoE.__dict__["forward"])
+    ticks = iter(range(100))
+    with hp.timed_steps(steps, lambda: next(ticks)) as marks:
+        assert isinstance(mkb._MegakernelMoE.__dict__["forward"], staticmethod)
+        x = torch.zeros(4, 8)
+        functional.check_inputs(x, torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 2),
+                                torch.zeros(1, 6, 8), torch.zeros(1, 8, 3))
+        with pytest.raises(MoKInputError):  # fails inside: a step that does not return is not marked
+            functional.check_inputs(x, None, None, None, None)
+        with pytest.raises(AttributeError):  # marked on entry, then fails on the fake call
+            mkb._MegakernelMoE.forward(None, x, None, None, None, None, None)
+    assert marks == {"checks": [0], "forward": [1], "gone": []}
+    assert (functional.check_inputs, mkb._MegakernelMoE.__dict__["forward"]) == before
