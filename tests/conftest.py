@@ -1,4 +1,5 @@
-"""Shared pytest setup: GPU tests skip with a printed reason where there is no sm_90 GPU."""
+"""Shared pytest setup: GPU tests skip with a printed reason where there is no sm_90 GPU; the
+library fixtures of the C ABI tests."""
 
 import os
 
@@ -8,6 +9,9 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from megatron_mok import _build  # noqa: E402
+from megatron_mok.ops import library  # noqa: E402
 
 
 def gpu_skip_reason(min_gpus: int = 1):
@@ -34,3 +38,22 @@ def pytest_collection_modifyitems(config, items):
         for mark, reason in reasons.items():
             if reason is not None and item.get_closest_marker(mark) is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    """The library of this checkout (the cache's build when it is current, else a fresh one)."""
+    if _build.find_nvcc() is None:
+        pytest.skip("nvcc not found: the CUDA library cannot be compiled on this machine")
+    try:
+        path = library.library_path()
+    except library.LibraryUnavailable:
+        path = _build.build_library(tmp_path_factory.mktemp("moklib"))
+    return library.MokLibrary(path)
+
+
+@pytest.fixture
+def use_lib(lib, monkeypatch):
+    """``lib`` as the process's library for the test."""
+    monkeypatch.setattr(library, "_library", lib)
+    return lib

@@ -21,7 +21,6 @@ import gc
 import logging
 import os
 import random
-import re
 import time
 from types import SimpleNamespace
 
@@ -29,14 +28,14 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_mok import MoKConfig, MoKConfigError, _build
+from megatron_mok import MoKConfig, MoKConfigError
 from megatron_mok.functional import (BackendUnavailable, LocalEPGroup, MoKInputError, MoKTimeoutError, check_errors,
                                      mok_moe)
 from megatron_mok.functional import backends, megakernel_backend as mkb
 from megatron_mok.functional.validate import MoEShape
-from megatron_mok.ops import library
 from megatron_mok.ops import megakernel as mk
 
+from .c_abi import struct_fields
 from .distributed import run_ranks
 
 KIMI = MoEShape(tokens=4096, hidden=7168, topk=8, experts_per_rank=192, ffn_hidden=2048)
@@ -167,34 +166,8 @@ def test_ring_memory_is_fixed_by_the_config():
 
 # ---- CPU: the library's ABI and the work plan ------------------------------------------------
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    """The library of this checkout (the cache's build when it is current, else a fresh one)."""
-    if _build.find_nvcc() is None:
-        pytest.skip("nvcc not found: the CUDA library cannot be compiled on this machine")
-    try:
-        path = library.library_path()
-    except library.LibraryUnavailable:
-        path = _build.build_library(tmp_path_factory.mktemp("moklib-megakernel"))
-    return library.MokLibrary(path)
-
-
-@pytest.fixture
-def use_lib(lib, monkeypatch):
-    monkeypatch.setattr(library, "_library", lib)
-    return lib
-
-
 def test_args_struct_matches_the_header(use_lib):
-    header = (_build.CSRC_DIR / "include" / "mok" / "megakernel.h").read_text()
-    body = re.search(r"typedef struct MokMegakernelArgs \{(.*?)\} MokMegakernelArgs;", header, re.S).group(1)
-    body = re.sub(r"//[^\n]*", "", body)
-    names = []
-    for decl in body.split(";"):
-        decl = decl.strip()
-        if decl:
-            first, *rest = decl.split(",")
-            names += [first.split()[-1].lstrip("*")] + [r.strip() for r in rest]
+    names = struct_fields("megakernel.h", "MokMegakernelArgs")
     assert names == [f[0] for f in mk.MegakernelArgs._fields_]
     _, fns = mk._lib()
     assert fns["args_bytes"]() == ctypes.sizeof(mk.MegakernelArgs) == 8 * len(names)

@@ -6,44 +6,22 @@ ranks (one of them with no tokens)."""
 from __future__ import annotations
 
 import ctypes
-import re
 
 import pytest
 import torch
 
-from megatron_mok import MoKConfig, _build
-from megatron_mok.ops import library
+from megatron_mok import MoKConfig
 from megatron_mok.ops import prologue as prologue_ops
 from megatron_mok.reference import build_schedule
 
+from .c_abi import struct_fields
 from .cases import make_case
 
 MOK_ERR_INVALID_ARGUMENT = -1
 
 
-@pytest.fixture
-def use_lib(tmp_path_factory, monkeypatch):
-    if _build.find_nvcc() is None:
-        pytest.skip("nvcc not found: the CUDA library cannot be compiled on this machine")
-    try:
-        path = library.library_path()
-    except library.LibraryUnavailable:
-        path = _build.build_library(tmp_path_factory.mktemp("moklib-prologue"))
-    lib = library.MokLibrary(path)
-    monkeypatch.setattr(library, "_library", lib)
-    return lib
-
-
 def test_args_struct_matches_the_header(use_lib):
-    header = (_build.CSRC_DIR / "include" / "mok" / "prologue.h").read_text()
-    body = re.search(r"typedef struct MokPrologueArgs \{(.*?)\} MokPrologueArgs;", header, re.S).group(1)
-    body = re.sub(r"//[^\n]*", "", body)
-    names = []
-    for decl in body.split(";"):
-        decl = decl.strip()
-        if decl:
-            first, *rest = decl.split(",")
-            names += [first.split()[-1].lstrip("*")] + [r.strip() for r in rest]
+    names = struct_fields("prologue.h", "MokPrologueArgs")
     assert names == [f[0] for f in prologue_ops.PrologueArgs._fields_]
     assert prologue_ops.args_bytes() == ctypes.sizeof(prologue_ops.PrologueArgs) == 8 * len(names)
 
