@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-times on two H200s, in one device call, what the power cap hides from call-by-call A/B
 # timings (docs/perf-notes.md, eleventh session): issue 7's first bound with each side in its
-# own steady state (`--bound`), and pair mode against single CTAs in blocks A B B A
+# own steady state (`--bound`), and pair mode against single CTAs in blocks A B B A B A A B
 # (`--ab MOK_MEGAKERNEL_PAIRS=0,1 --blocks`), at the four expert loads of issue 7, without grad
 # (the bound) and with it (training).
 #

@@ -52,7 +52,7 @@ def median_ms(fn, iters=10, warmup=3):
 for L in (192, 6):
     g = torch.Generator(device="cuda").manual_seed(L)
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-    ids = torch.rand(T, L, device="cuda", generator=g).argsort(dim=1)[:, :K] if L >= K else \
+    ids = torch.rand(T, L, device="cuda", generator=g).argsort(dim=1)[:, :K].contiguous() if L >= K else \
         torch.randint(0, L, (T, K), device="cuda", generator=g)
     w = torch.rand(T, K, device="cuda", generator=g)
     fc1 = (torch.randn(L, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()

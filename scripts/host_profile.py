@@ -42,17 +42,25 @@ from megatron_mok.functional import check_errors, mok_moe
 # session's path published, met and scheduled in three steps; since the thirteenth one call
 # queues all three).
 LAUNCH_STEPS = [
+    ("input checks start (check_inputs)", "functional.check_inputs", "start"),
     ("input checks (check_inputs)", "functional.check_inputs", "end"),
+    ("group size and rank", "functional.group_size_rank", "end"),
     ("backend choice (select_backend)", "functional.select_backend", "end"),
+    ("run_backend starts", "functional.run_backend", "start"),
+    ("the backend's entry (megakernel_moe) starts", "functional.megakernel_backend.megakernel_moe", "start"),
     ("workspace lookup", "functional.megakernel_backend.get_workspace", "end"),
     ("weight arguments", "functional.cuda_backend.weight_arguments", "end"),
     ("the autograd function's forward starts", "functional.megakernel_backend._MegakernelMoE.forward", "start"),
+    ("the forward starts (_run_forward)", "functional.megakernel_backend._run_forward", "start"),
+    ("status check (raise_if_failed)", "functional.workspace.Workspace.raise_if_failed", "end"),
     ("publish (4 copies)", "functional.workspace.Workspace.publish", "end"),
     ("barrier kernel", "functional.workspace.Workspace.barrier", "end"),
     ("schedule kernel", "functional.workspace.Workspace.build_schedule", "end"),
     ("publish, barrier and schedule in one call", "functional.workspace.Workspace.dispatch", "end"),
     ("megakernel launch (its checks, args, tensor maps, reset kernel, launch)", "ops.megakernel.megakernel_forward.impl", "end"),
+    ("launch_forward starts", "ops.megakernel.launch_forward", "start"),
     ("megakernel launch (args, tensor maps, reset kernel, launch)", "ops.megakernel.launch_forward", "end"),
+    ("status mirrored (mirror_status)", "functional.workspace.Workspace.mirror_status", "end"),
 ]
 
 
@@ -104,19 +112,54 @@ def time_to_launch(call: Callable[[], object], iters: int, group) -> Dict[str, f
     :data:`LAUNCH_STEPS`, and the call's GPU time."""
     start = [0.0]
     gpu: List[float] = []
+    recorded: List[float] = []
+    returned: List[float] = []
     with timed_steps(LAUNCH_STEPS, lambda: time.perf_counter() - start[0]) as marks:
         for _ in range(iters):
             align_ranks(group, torch.device("cuda", torch.cuda.current_device()))
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start[0] = time.perf_counter()
             a.record()
+            recorded.append(time.perf_counter() - start[0])
             call()
+            returned.append(time.perf_counter() - start[0])
             b.record()
             b.synchronize()
             gpu.append(a.elapsed_time(b))
-    out = {label: 1e3 * statistics.median(v) for label, v in marks.items() if len(v) == iters}
+    out = {"start event recorded": 1e3 * statistics.median(recorded)}
+    out.update({label: 1e3 * statistics.median(v) for label, v in marks.items() if len(v) == iters})
+    out["the call returns"] = 1e3 * statistics.median(returned)
     out["GPU time of the call"] = statistics.median(gpu)
     return out
+
+
+def torch_trace(call: Callable[[], object], iters: int, group, out_dir: str, rank: int) -> None:
+    """Profiles ``iters`` synchronised calls with ``torch.profiler`` (CPU ops, CUDA runtime calls
+    and kernels), writes the Chrome trace to ``out_dir/host_trace_rank{rank}.json`` and prints,
+    for the last call, every host event in the call's range: its start from the range's start,
+    its duration and its name (the CUDA runtime calls show which host call waits on what)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=acts) as prof:
+        for i in range(iters):
+            align_ranks(group, torch.device("cuda", torch.cuda.current_device()))
+            with record_function(f"mok_call_{i}"):
+                call()
+            torch.cuda.synchronize()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"host_trace_rank{rank}.json")
+    prof.export_chrome_trace(path)
+    if rank != 0:
+        return
+    events = [e for e in prof.events() if e.device_type.name == "CPU"]
+    last = max((e for e in events if e.name == f"mok_call_{iters - 1}"), key=lambda e: e.time_range.start)
+    t0, t1 = last.time_range.start, last.time_range.end
+    inside = sorted((e for e in events if t0 <= e.time_range.start <= t1 and e is not last),
+                    key=lambda e: e.time_range.start)
+    print(f"torch.profiler, last of {iters} synchronised calls: {(t1 - t0):.0f} us on the host ({path})")
+    for e in inside:
+        print(f"  {e.time_range.start - t0:8.1f} us  +{e.time_range.end - e.time_range.start:7.1f}  {e.name}")
 
 
 def main() -> None:
@@ -132,6 +175,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--to-launch", action="store_true",
                     help="time synchronised calls: host time to each step's end, up to the launch")
+    ap.add_argument("--torch-trace", metavar="DIR",
+                    help="also profile a few synchronised calls with torch.profiler (Chrome trace in DIR)")
     args = ap.parse_args()
 
     group = None
@@ -145,7 +190,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(1 + rank)
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16().requires_grad_(args.grad)
     E = P * L
-    ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K] if E >= K else \
+    ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K].contiguous() if E >= K else \
         torch.randint(0, E, (T, K), device="cuda", generator=g)
     w = torch.rand(T, K, device="cuda", generator=g).requires_grad_(args.grad)
     fc1 = (torch.randn(L, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16().requires_grad_(args.grad)
@@ -163,11 +208,16 @@ def main() -> None:
                 call()
             steps = time_to_launch(call, args.iters, group)
             check_errors()
+            if args.torch_trace:
+                torch_trace(call, 5, group, args.torch_trace, rank)
+                check_errors()
         if rank == 0:
             print(f"P={P} T={T} K={K} H={H} I={I} L={L}/GPU grad={args.grad}: synchronised calls, "
                   f"medians of {args.iters}, ms from the call's start")
-            for label, ms in steps.items():
+            gpu_ms = steps.pop("GPU time of the call")
+            for label, ms in sorted(steps.items(), key=lambda kv: kv[1]):
                 print(f"  {ms:7.3f}  {label}")
+            print(f"  {gpu_ms:7.3f}  GPU time of the call")
         if group is not None:
             dist.barrier()
             dist.destroy_process_group()

@@ -18,14 +18,14 @@ after the previous one ended; per CTA of a pair), and the first and last minibat
 milestones. With --out DIR it also saves
 a per-CTA timeline chart of rank 0 (DIR/<name>.png) and, with --npz, every rank's raw records.
 With --bound it instead times issue 7's first bound: blocks of megakernel calls and of
-torch._grouped_mm fc1 + fc2 alone on the rank's expert load (A B B A), each after untimed calls
-that bring the card to the power state it holds under that load, and prints both medians and the
-ratio.
+torch._grouped_mm fc1 + fc2 alone on the rank's expert load (A B B A B A A B, after alternating
+untimed calls of both), each after untimed calls that bring the card to the power state it holds
+under that load, and prints both medians, the ratio and the medians per block.
 With --ab NAME=A,B it instead times calls with the environment variable NAME set to A and to B
 alternately (the library reads its MOK_MEGAKERNEL_* switches at every launch), with
 --ab-settings two settings alternately; each call synchronised and timed on the slowest rank; it
-prints the medians and the paired difference. With --blocks it times them in blocks A B B A
-instead, each after untimed calls: under the power cap, alternating call by call hides a
+prints the medians and the paired difference. With --blocks it times them in blocks A B B A B A A
+B instead, each after untimed calls: under the power cap, alternating call by call hides a
 difference in energy per call (docs/perf-notes.md, eleventh session).
 Needs the CUDA library (an sm_90 GPU).
 """
@@ -36,7 +36,7 @@ import argparse
 import os
 import statistics
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 os.environ["MOK_MEGAKERNEL_TRACE"] = "1"
 
@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_mok import MoKConfig  # noqa: E402
-from megatron_mok.bench.timing import block_rounds, interleaved_rounds  # noqa: E402
+from megatron_mok.bench.timing import BLOCK_ORDER, block_rounds, interleaved_rounds  # noqa: E402
 from megatron_mok.bench.tune import Candidate  # noqa: E402
 from megatron_mok.functional import check_errors, megakernel_backend, mok_moe  # noqa: E402
 from megatron_mok.ops import megakernel as mk_ops  # noqa: E402
@@ -256,39 +256,52 @@ def bound_timing(mk_call, gemms_call, rounds: int, warmup: int, distributed: boo
                  device: Optional[torch.device] = None) -> Tuple[float, float]:
     """Issue 7's first bound, each side in the power state it holds under its own load: the
     megakernel call and torch._grouped_mm fc1 + fc2 alone on each rank's expert load in blocks
-    A B B A (`block_rounds`: `warmup` untimed calls, then `rounds` timed ones, each synchronised
-    and timed on the slowest rank). Prints both medians and their ratio and returns them (ms).
+    (`block_rounds`, its default order, after 2 x `warmup` alternating untimed calls: each block
+    `warmup` untimed calls, then `rounds` timed ones, each synchronised and timed on the slowest
+    rank). Prints both medians, their ratio and the medians per block, and returns the medians
+    (ms).
 
     device: where the calls run (default: the current CUDA device)."""
     group = dist.group.WORLD if distributed else None
     device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
     times = block_rounds([("megakernel", mk_call), ("torch._grouped_mm", gemms_call)], rounds, group, device,
-                         warmup=warmup)
+                         warmup=warmup, preheat=2 * warmup)
     check_errors()
     mk_ms, mm_ms = statistics.median(times["megakernel"]), statistics.median(times["torch._grouped_mm"])
     if rank == 0:
         print(f"{label}: megakernel {mk_ms:.3f} ms, torch._grouped_mm fc1 + fc2 alone {mm_ms:.3f} ms (medians of "
-              f"2 x {rounds} calls, each block after {warmup} untimed ones, slowest rank); ratio "
-              f"{mk_ms / mm_ms:.3f}x (bound 1.15x)", flush=True)
+              f"{BLOCK_ORDER.count('A')} x {rounds} calls, blocks {BLOCK_ORDER} after {2 * warmup} alternating "
+              f"untimed calls, each block after {warmup} untimed ones, slowest rank); ratio "
+              f"{mk_ms / mm_ms:.3f}x (bound 1.15x); {block_medians(times, rounds)}", flush=True)
     return mk_ms, mm_ms
+
+
+def block_medians(times: Dict[str, List[float]], rounds: int) -> str:
+    """Each variant's median per block, in block order (``rounds`` calls a block): a drift or a
+    block that stands out shows here."""
+    return "; ".join(f"{name} by block " + " ".join(f"{statistics.median(v[i:i + rounds]):.3f}"
+                                                     for i in range(0, len(v), rounds))
+                     for name, v in times.items())
 
 
 def ab_timing(variants, rounds: int, distributed: bool, rank: int, label: str, blocks_warmup: int = 0) -> None:
     """Timing of two (name, call) variants, each call synchronised and timed on the slowest rank.
     By default paired: alternating which goes first in each round, so slow drifts cancel, but
     under the power cap so does a difference in energy per call. With blocks_warmup > 0 in
-    blocks A B B A after that many untimed calls each (`block_rounds`), which keeps it."""
+    blocks (`block_rounds`, its default order) after that many untimed calls each, which keeps
+    it."""
     group = dist.group.WORLD if distributed else None
     device = torch.device("cuda", torch.cuda.current_device())
     (na, _), (nb, _) = variants
     if blocks_warmup > 0:
-        times = block_rounds(variants, rounds, group, device, warmup=blocks_warmup)
+        times = block_rounds(variants, rounds, group, device, warmup=blocks_warmup, preheat=2 * blocks_warmup)
         check_errors()
         if rank == 0:
             a, b = statistics.median(times[na]), statistics.median(times[nb])
-            print(f"{label}: {na} {a:.3f} ms, {nb} {b:.3f} ms (medians of 2 x {rounds} calls in blocks A B B A, "
-                  f"each after {blocks_warmup} untimed ones, slowest rank); {nb} - {na}: {b - a:+.3f} ms",
-                  flush=True)
+            print(f"{label}: {na} {a:.3f} ms, {nb} {b:.3f} ms (medians of {BLOCK_ORDER.count('A')} x {rounds} calls "
+                  f"in blocks {BLOCK_ORDER} after {2 * blocks_warmup} alternating untimed calls, each block after "
+                  f"{blocks_warmup} untimed ones, slowest rank); {nb} - {na}: {b - a:+.3f} ms; "
+                  f"{block_medians(times, rounds)}", flush=True)
         return
     times = interleaved_rounds(variants, rounds, group, device)
     check_errors()
@@ -319,9 +332,9 @@ def main() -> None:
                     help="paired timing of two comm:minibatch:ring settings instead of the timeline")
     ap.add_argument("--bound", action="store_true",
                     help="instead of the timeline, time issue 7's bound: blocks of megakernel calls and of "
-                         "torch._grouped_mm alone (A B B A), each after --block-warmup untimed calls")
+                         "torch._grouped_mm alone (A B B A B A A B), each after --block-warmup untimed calls")
     ap.add_argument("--blocks", action="store_true",
-                    help="--ab / --ab-settings in blocks A B B A, each after --block-warmup untimed calls, "
+                    help="--ab / --ab-settings in blocks A B B A B A A B, each after --block-warmup untimed calls, "
                          "instead of call by call (keeps a difference in energy per call under the power cap)")
     ap.add_argument("--block-warmup", type=int, default=100, help="untimed calls before each block")
     ap.add_argument("--rounds", type=int, default=40, help="rounds of --ab, --ab-settings and --bound")
@@ -340,7 +353,10 @@ def main() -> None:
     E = P * L
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-    ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K] if E >= K else \
+    # Contiguous ids, as a router's top-k gives them (a strided view would add a copy of them to
+    # every timed call, ~0.1 ms of host time; the bounds at 48 and 192 per GPU before the
+    # fourteenth session included it).
+    ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K].contiguous() if E >= K else \
         torch.randint(0, E, (T, K), device="cuda", generator=g)
     w = torch.rand(T, K, device="cuda", generator=g)
     fc1 = (torch.randn(L, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
@@ -386,15 +402,20 @@ def main() -> None:
         if args.ab:
             name, _, vals = args.ab.partition("=")
 
-            def with_env(value):
+            def with_env(value, label):
                 def run():
                     os.environ[name] = value
                     return call()
-                return (f"{name}={value}", run)
+                return (label, run)
+            values = vals.split(",")
+            # The same value twice (an A/A run, the noise of the method) still gets two names.
+            labels = [f"{name}={v}" for v in values]
+            if len(set(labels)) < len(labels):
+                labels = [f"{lab} ({ab})" for lab, ab in zip(labels, "AB")]
             os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
             with torch.set_grad_enabled(args.training):
-                ab_timing([with_env(v) for v in vals.split(",")], args.rounds, distributed, rank, f"L={L} {text}",
-                          args.block_warmup if args.blocks else 0)
+                ab_timing([with_env(v, lab) for v, lab in zip(values, labels)], args.rounds, distributed, rank,
+                          f"L={L} {text}", args.block_warmup if args.blocks else 0)
             continue
         with torch.set_grad_enabled(args.training):
             os.environ["MOK_MEGAKERNEL_TRACE"] = "0"

@@ -76,7 +76,7 @@ def main() -> None:
         pop = 1.0 / torch.arange(1, E + 1, device=dev, dtype=torch.float64) ** 1.2
         ids = torch.multinomial(pop.expand(T, E), K, replacement=False)
     else:
-        ids = torch.rand(T, E, device=dev).argsort(dim=1)[:, :K]
+        ids = torch.rand(T, E, device=dev).argsort(dim=1)[:, :K].contiguous()
     w = torch.rand(T, K, device=dev).requires_grad_()
     fc1 = (torch.randn(L, 2 * I, H, device=dev) / H ** 0.5).bfloat16().requires_grad_()
     fc2 = (torch.randn(L, H, I, device=dev) / I ** 0.5).bfloat16().requires_grad_()

@@ -48,7 +48,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(4321 + rank)
     leaf = lambda t: t.bfloat16().requires_grad_()
     x = leaf(torch.randn(T, H, device="cuda", generator=g))
-    ids = torch.rand(T, P * L, device="cuda", generator=g).argsort(dim=1)[:, :K]
+    ids = torch.rand(T, P * L, device="cuda", generator=g).argsort(dim=1)[:, :K].contiguous()
     w = torch.rand(T, K, device="cuda", generator=g).requires_grad_()
     fc1 = leaf(torch.randn(L, 2 * I, H, device="cuda", generator=g) / H ** 0.5)
     fc2 = leaf(torch.randn(L, H, I, device="cuda", generator=g) / I ** 0.5)

@@ -512,15 +512,28 @@ def test_tune_without_a_gpu_says_so(capsys, monkeypatch):
     assert "must be COMM:MINIBATCH:RING" in capsys.readouterr().out
 
 
-def test_block_rounds_time_a_b_b_a_blocks_after_their_warmup():
-    from megatron_mok.bench.timing import block_rounds
+def test_block_rounds_time_blocks_in_thue_morse_order_after_preheat_and_warmup():
+    from megatron_mok.bench.timing import BLOCK_ORDER, block_rounds
 
-    calls = []
+    assert BLOCK_ORDER == "ABBABAAB"  # linear and quadratic drifts cancel: positions 1 4 6 7 / 2 3 5 8
+    pos = {c: [i + 1 for i, x in enumerate(BLOCK_ORDER) if x == c] for c in "AB"}
+    assert sum(pos["A"]) == sum(pos["B"]) and sum(p * p for p in pos["A"]) == sum(p * p for p in pos["B"])
+    calls, setups = [], []
     variants = [("a", lambda: calls.append("a")), ("b", lambda: (calls.append("b"), time.sleep(0.002)))]
-    times = block_rounds(variants, 3, None, torch.device("cpu"), warmup=2)
-    assert calls == ["a"] * 5 + ["b"] * 10 + ["a"] * 5  # each block: 2 untimed, then 3 timed calls
-    assert sorted(times) == ["a", "b"] and len(times["a"]) == len(times["b"]) == 6
+    times = block_rounds(variants, 3, None, torch.device("cpu"), warmup=2, preheat=3,
+                         setup=lambda: setups.append(len(calls)))
+    block = lambda c: [c] * 5  # each block: 2 untimed, then 3 timed calls
+    assert calls == ["a", "b", "a"] + sum((block(c.lower()) for c in BLOCK_ORDER), [])
+    assert setups == list(range(len(calls)))  # setup before every call, the preheat's too
+    assert sorted(times) == ["a", "b"] and len(times["a"]) == len(times["b"]) == 12
     assert all(t >= 2.0 for t in times["b"]) and all(0 <= t < 2.0 for t in times["a"])
+    calls.clear()
+    block_rounds(variants, 1, None, torch.device("cpu"), warmup=0, order="ABBA")
+    assert calls == ["a", "b", "b", "a"]
+    with pytest.raises(ValueError, match="letters A and B"):
+        block_rounds(variants, 1, None, torch.device("cpu"), order="AAA")
+    with pytest.raises(ValueError, match="would merge"):
+        block_rounds([variants[0], variants[0]], 1, None, torch.device("cpu"))
 
 
 def test_interleaved_rounds_alternate_the_order_and_drop_the_warmup():

@@ -1025,8 +1025,9 @@ def test_timeline_tile_boundaries_measure_from_the_previous_tile_end(monkeypatch
 
 
 def test_timeline_bound_times_each_side_in_blocks_after_warmup(monkeypatch):
-    # Blocks A B B A, each `warmup` untimed calls and then `rounds` timed ones; the medians are
-    # the calls' own times (12 ms and 3 ms here, on the CPU clock).
+    # 2 x `warmup` alternating untimed calls, then blocks A B B A B A A B, each `warmup` untimed
+    # calls and then `rounds` timed ones; the medians are the calls' own times (12 ms and 3 ms
+    # here, on the CPU clock).
     tl = _timeline_script(monkeypatch)
     monkeypatch.setattr(tl, "check_errors", lambda: None)
     order = []
@@ -1038,7 +1039,8 @@ def test_timeline_bound_times_each_side_in_blocks_after_warmup(monkeypatch):
         return call
     mk_ms, mm_ms = tl.bound_timing(sleeper("mk", 12.0), sleeper("mm", 3.0), rounds=3, warmup=2, distributed=False,
                                    rank=1, label="test", device=torch.device("cpu"))
-    assert order == ["mk"] * 5 + ["mm"] * 10 + ["mk"] * 5
+    blocks = {"A": ["mk"] * 5, "B": ["mm"] * 5}
+    assert order == ["mk", "mm"] * 2 + sum((blocks[c] for c in "ABBABAAB"), [])
     assert 12.0 <= mk_ms < 12.0 + 50 and 3.0 <= mm_ms < 3.0 + 50 and mk_ms > mm_ms
 
 

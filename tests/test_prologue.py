@@ -1,7 +1,7 @@
 """The forward dispatch prologue (``mok::dispatch_prologue``): its C argument layout and checks
-without a GPU; on a GPU, that one call publishes every rank's tokens, ids and router weights,
-meets the other ranks and builds the same schedule as the reference, for P = 1 and for virtual
-ranks (one of them with no tokens)."""
+without a GPU; on a GPU, that one call publishes every rank's tokens, ids and router weights
+(tokens 16-byte aligned or not), meets the other ranks and builds the same schedule as the
+reference, for P = 1 and for virtual ranks (one of them with no tokens)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,29 @@ def test_args_struct_matches_the_header(use_lib):
     names = struct_fields("prologue.h", "MokPrologueArgs")
     assert names == [f[0] for f in prologue_ops.PrologueArgs._fields_]
     assert prologue_ops.args_bytes() == ctypes.sizeof(prologue_ops.PrologueArgs) == 8 * len(names)
+
+
+@pytest.mark.parametrize("P,T,K,L", [(1, 300, 4, 6), (2, 257, 8, 48), (1, 5, 1, 1), (3, 129, 2, 7)])
+def test_schedule_outputs_share_one_allocation_each_part_16_byte_aligned(use_lib, P, T, K, L):
+    # Workspace._schedule_outputs carves the table, counts and offsets out of one buffer; each
+    # part must start on a 16-byte boundary (the table's int2 reads need 8) and none overlap.
+    from types import SimpleNamespace
+
+    from megatron_mok.functional.workspace import Workspace
+
+    fake = SimpleNamespace(experts_per_rank=L, P=P, device=torch.device("cpu"), _table_rows={},
+                           layout=SimpleNamespace(max_tokens=T, topk=K))
+    table, counts, offsets, capacity = Workspace._schedule_outputs(fake, 128)
+    assert capacity == P * T * K + L * 127 and table.shape == (capacity, 2)
+    assert counts.shape == (L,) and offsets.shape == (L + 1,)
+    spans = []
+    for t in (table, counts, offsets):
+        assert t.is_contiguous() and t.dtype == torch.int32 and t.data_ptr() % 16 == 0
+        spans.append((t.data_ptr(), t.data_ptr() + 4 * t.numel()))
+    assert table.untyped_storage().data_ptr() == counts.untyped_storage().data_ptr() == \
+        offsets.untyped_storage().data_ptr()
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
 def _valid_args(**over):
@@ -50,9 +73,12 @@ def test_c_abi_rejects_bad_arguments_before_any_cuda_call(use_lib, over):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("x_offset", [0, 1], ids=["x-aligned", "x-off-16B"])
 @pytest.mark.parametrize("tokens,routing", [([300], "uniform"), ([257, 0], "hot"), ([129, 200, 64], "empty")],
                          ids=["P1", "P2-one-empty", "P3"])
-def test_dispatch_publishes_and_builds_the_reference_schedule(tokens, routing):
+def test_dispatch_publishes_and_builds_the_reference_schedule(tokens, routing, x_offset):
+    # x_offset 1: x starts 2 bytes past a 16-byte boundary, so the copy engine publishes it
+    # instead of the publish kernel's 16-byte vectors.
     from megatron_mok.functional import LocalEPGroup
     from megatron_mok.functional.workspace import get_workspace
 
@@ -67,7 +93,10 @@ def test_dispatch_publishes_and_builds_the_reference_schedule(tokens, routing):
         ws = get_workspace(ep, dev, tokens=tokens[r], hidden=H, topk=K, experts_per_rank=L, config=config)
         for buf, bad in ((ws.rows, float("nan")), (ws.ids, -7), (ws.scalars, float("nan")), (ws.ntok, -1)):
             buf.fill_(bad)  # poison: every published value must be written
-        x = case.x[r].to(dev, torch.bfloat16)
+        x_host = case.x[r].to(torch.bfloat16)
+        x = torch.empty(x_host.numel() + x_offset, dtype=torch.bfloat16, device=dev)[x_offset:].view(x_host.shape)
+        x.copy_(x_host)
+        assert x.numel() == 0 or (x.data_ptr() % 16 == 0) == (x_offset == 0)
         ids, w = case.ids[r].to(dev), case.weights[r].to(dev, torch.float32)
         stream = group.streams[r] if group is not None else torch.cuda.current_stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -9,18 +9,35 @@
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kVecsInFlight = 4;    // 16-byte loads per thread before its stores
+constexpr int kMaxCopyBlocks = 1024;
 
-// ids and router weights of the T x K routes, and T: one small launch instead of three.
-__global__ void publish_routes_kernel(const int64_t* __restrict__ ids, const float* __restrict__ weights,
-                                      int64_t routes, int64_t* __restrict__ ids_out,
-                                      float* __restrict__ weights_out, int32_t* ntok, int32_t T) {
+// x's rows as 16-byte vectors, then the ids and router weights of the T x K routes, and T: one
+// launch instead of a cudaMemcpyAsync and a kernel (a copy call costs the host ~3x a launch on
+// the GPU machines, docs/perf-notes.md, fourteenth session).
+__global__ void publish_kernel(const uint4* __restrict__ x, uint4* __restrict__ x_out, int64_t x_vecs,
+                               const int64_t* __restrict__ ids, const float* __restrict__ weights, int64_t routes,
+                               int64_t* __restrict__ ids_out, float* __restrict__ weights_out, int32_t* ntok,
+                               int32_t T) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < routes; i += stride) {
-    ids_out[i] = ids[i];
-    weights_out[i] = weights[i];
+  const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  int64_t i = first;
+  for (; i + (kVecsInFlight - 1) * stride < x_vecs; i += kVecsInFlight * stride) {
+    uint4 v[kVecsInFlight];
+#pragma unroll
+    for (int j = 0; j < kVecsInFlight; ++j) v[j] = x[i + j * stride];
+#pragma unroll
+    for (int j = 0; j < kVecsInFlight; ++j) x_out[i + j * stride] = v[j];
   }
-  if (blockIdx.x == 0 && threadIdx.x == 0) *ntok = T;
+  for (; i < x_vecs; i += stride) x_out[i] = x[i];
+  for (int64_t r = first; r < routes; r += stride) {
+    ids_out[r] = ids[r];
+    weights_out[r] = weights[r];
+  }
+  if (first == 0) *ntok = T;
 }
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 }  // namespace
 
@@ -43,16 +60,21 @@ MOK_API int mok_dispatch_prologue(const MokPrologueArgs* a, cudaStream_t stream)
 
   char* region = static_cast<char*>(a->region);
   const int64_t routes = a->T * a->K;
-  if (a->T > 0) {
-    MOK_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(region + a->rows_offset, a->x, (size_t)(a->T * a->H * 2),
-                                             cudaMemcpyDeviceToDevice, stream));
-  }
-  int64_t blocks = (routes + kThreads - 1) / kThreads;
-  blocks = blocks < 1 ? 1 : (blocks > 1024 ? 1024 : blocks);
-  publish_routes_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(
-      a->topk_ids, a->topk_weights, routes, reinterpret_cast<int64_t*>(region + a->ids_offset),
-      reinterpret_cast<float*>(region + a->scalars_offset), reinterpret_cast<int32_t*>(region + a->ntok_offset),
-      (int32_t)a->T);
+  const int64_t x_bytes = a->T * a->H * 2;
+  void* x_dst = region + a->rows_offset;
+  // The kernel copies x when both ends hold whole 16-byte vectors; else the copy engine does.
+  const bool x_by_kernel = x_bytes % 16 == 0 && aligned16(a->x) && aligned16(x_dst);
+  if (a->T > 0 && !x_by_kernel)
+    MOK_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(x_dst, a->x, (size_t)x_bytes, cudaMemcpyDeviceToDevice, stream));
+  const int64_t x_vecs = x_by_kernel ? x_bytes / 16 : 0;
+  // A thread per kVecsInFlight vectors of x or per route, whichever needs more, up to the cap.
+  const int64_t x_threads = mok::ceil_div(x_vecs, kVecsInFlight);
+  int64_t blocks = mok::ceil_div(x_threads > routes ? x_threads : routes, kThreads);
+  blocks = blocks < 1 ? 1 : (blocks > kMaxCopyBlocks ? kMaxCopyBlocks : blocks);
+  publish_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(
+      static_cast<const uint4*>(a->x), static_cast<uint4*>(x_dst), x_vecs, a->topk_ids, a->topk_weights, routes,
+      reinterpret_cast<int64_t*>(region + a->ids_offset), reinterpret_cast<float*>(region + a->scalars_offset),
+      reinterpret_cast<int32_t*>(region + a->ntok_offset), (int32_t)a->T);
   MOK_RETURN_IF_LAUNCH_FAILED();
   if (a->P > 1) {
     const int rc = mok_barrier(a->signal_bases, (int)a->rank, (int)a->P, a->counter, a->timeout_ns, (int)a->site,

@@ -126,23 +126,44 @@ def interleaved_rounds(variants: Sequence[Tuple[str, Callable[[], object]]], rou
     return times
 
 
+BLOCK_ORDER = "ABBABAAB"
+"""The default order of :func:`block_rounds`' blocks (the Thue-Morse sequence): both variants sit
+at positions summing to the same and with the same sum of squares, so a drift that is linear or
+quadratic in time cancels (A B B A cancels only a linear one)."""
+
+
 def block_rounds(variants: Sequence[Tuple[str, Callable[[], object]]], rounds: int,
                  group: Optional[dist.ProcessGroup], device: torch.device, *, warmup: int = 100,
-                 setup: Optional[Callable[[], None]] = None) -> Dict[str, List[float]]:
-    """Times two (name, call) variants in blocks, in the order A B B A: each block runs
-    ``warmup`` untimed calls of one variant, then ``rounds`` timed ones, each call alone as in
-    :func:`interleaved_rounds`.
+                 setup: Optional[Callable[[], None]] = None, order: str = BLOCK_ORDER,
+                 preheat: int = 0) -> Dict[str, List[float]]:
+    """Times two (name, call) variants in blocks, in ``order`` (letters A and B; by default
+    :data:`BLOCK_ORDER`): each block runs ``warmup`` untimed calls of one variant, then ``rounds``
+    timed ones, each call alone as in :func:`interleaved_rounds`. Before the first block,
+    ``preheat`` untimed calls alternate between the variants.
 
     Under a power cap each variant then runs at the clock its own load holds. Alternating call
     by call averages that away: one variant's low-power phases lend clock to the other's next
     call, so a variant that spends less energy per call looks no faster than one that spends
-    more (docs/perf-notes.md, eleventh session). The A B B A order cancels a linear drift.
+    more (docs/perf-notes.md, eleventh session). In blocks A B B A the variant of the first
+    block came out 0.11-0.16 ms (of 5.5) faster in three runs, whichever it was (cause not
+    established; docs/perf-notes.md, fourteenth session); with the preheat and the default
+    order an A/A run differed by 0.04 ms.
 
     Returns:
-        {name: [ms of each timed call]}, 2 * ``rounds`` values each, in call order.
+        {name: [ms of each timed call]}, ``rounds`` values per block of the variant, in call
+        order.
     """
+    if sorted(set(order)) != ["A", "B"]:
+        raise ValueError(f"order={order!r} must hold the letters A and B, and only those")
     (name_a, call_a), (name_b, call_b) = variants
+    if name_a == name_b:
+        raise ValueError(f"both variants are named {name_a!r}; their times would merge")
+    for i in range(preheat):
+        if setup is not None:
+            setup()
+        (call_a if i % 2 == 0 else call_b)()
     times: Dict[str, List[float]] = {name_a: [], name_b: []}
-    for name, call in ((name_a, call_a), (name_b, call_b), (name_b, call_b), (name_a, call_a)):
+    for letter in order:
+        name, call = (name_a, call_a) if letter == "A" else (name_b, call_b)
         times[name] += interleaved_rounds([(name, call)], rounds, group, device, warmup=warmup, setup=setup)[name]
     return times

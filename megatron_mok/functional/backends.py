@@ -67,6 +67,12 @@ def megakernel_blocker(x: torch.Tensor, shape: MoEShape, config: MoKConfig, ep_s
     reason = gpu_backend_blocker(x)
     if reason is not None:
         return reason
+    return _megakernel_shape_blocker(shape, config, ep_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _megakernel_shape_blocker(shape: MoEShape, config: MoKConfig, ep_size: int) -> Optional[str]:
+    # Cached: every layer asks the same question on every call (it reads no device state).
     try:
         from . import megakernel_backend
     except ImportError:

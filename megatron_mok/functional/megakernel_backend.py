@@ -189,43 +189,53 @@ class _Call:
     cuda_call: cuda_backend._Call  # the backward's
 
 
+def _run_forward(x, topk_ids, topk_weights, fc1, fc2, call: _Call, fc1_2, fc2_2, training: bool):
+    """The forward launch (prologue, then the persistent kernel). Returns ``(y, saved)``: y bf16
+    [T, H]; saved: the schedule and the activations the backward reads when ``training``, else
+    None."""
+    ws, launch = call.ws, call.launch
+    ring, cfg = launch.ring, launch.config
+    comm_ctas = cfg.comm_sms_forward if training else launch.comm_ctas_no_grad
+    ws.raise_if_failed(launch.timeout_s)
+    table, counts, offsets, _ = ws.dispatch(x, topk_ids, topk_weights, cuda_backend.SITE_FWD_DISPATCH,
+                                            launch.timeout_s, BLOCK_ROWS)
+    trace = None
+    if os.environ.get(TRACE_ENV) == "1":
+        H, I = fc2.shape[1], fc2.shape[2]
+        trace = torch.zeros((mk_ops.trace_records(table.shape[0], H, I), len(mk_ops.TRACE_FIELDS)),
+                            dtype=torch.int64, device=x.device)
+        _last_trace.update(records=trace, minibatch_rows=cfg.minibatch_rows, ring_rows=cfg.ring_rows,
+                           comm_ctas=comm_ctas, hidden=H, ffn_hidden=I, num_ctas=launch.num_ctas,
+                           pairs=launch.pairs)
+    saved = (None, None, None)
+    if training:  # the cuda backend's activations, written by the launch
+        R, H, two_i = table.shape[0], fc1.shape[2], fc1.shape[1]
+        saved = (torch.empty((R, H), dtype=torch.bfloat16, device=x.device),
+                 torch.empty((R,), dtype=torch.float32, device=x.device),
+                 torch.empty((R, two_i), dtype=torch.bfloat16, device=x.device))
+    # The backend checked every argument when it prepared the call (and built the schedule,
+    # trace and copies here): the eager path skips the op's checks, torch.compile sees the op.
+    run_kernel = mk_ops.megakernel_forward if torch.compiler.is_compiling() else mk_ops.launch_forward
+    y = run_kernel(
+        ws.bases, ws.signal_bases, ws.layout.rows, ws.layout.scalars, ws.layout.slots, table, offsets, counts,
+        topk_ids, fc1, fc2, ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, ws.rank,
+        cfg.minibatch_rows, comm_ctas, launch.num_ctas, int(launch.timeout_s * 1e9), trace, *saved,
+        fc1_2, fc2_2, pairs=launch.pairs)
+    ws.mirror_status()
+    return y, ((table, offsets, *saved, counts) if training else None)
+
+
 class _MegakernelMoE(torch.autograd.Function):
-    """fc1_2 / fc2_2: None, or the second weight segment (local experts L1 ..), read in place."""
+    """fc1_2 / fc2_2: None, or the second weight segment (local experts L1 ..), read in place.
+    Only calls that need a backward go through it (:func:`megakernel_moe`)."""
 
     @staticmethod
     def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, call: _Call, fc1_2=None, fc2_2=None):
-        ws, launch = call.ws, call.launch
-        ring, cfg = launch.ring, launch.config
         training = any(ctx.needs_input_grad)
-        comm_ctas = cfg.comm_sms_forward if training else launch.comm_ctas_no_grad
-        ws.raise_if_failed(launch.timeout_s)
-        table, counts, offsets, _ = ws.dispatch(x, topk_ids, topk_weights, cuda_backend.SITE_FWD_DISPATCH,
-                                                launch.timeout_s, BLOCK_ROWS)
-        trace = None
-        if os.environ.get(TRACE_ENV) == "1":
-            H, I = fc2.shape[1], fc2.shape[2]
-            trace = torch.zeros((mk_ops.trace_records(table.shape[0], H, I), len(mk_ops.TRACE_FIELDS)),
-                                dtype=torch.int64, device=x.device)
-            _last_trace.update(records=trace, minibatch_rows=cfg.minibatch_rows, ring_rows=cfg.ring_rows,
-                               comm_ctas=comm_ctas, hidden=H, ffn_hidden=I, num_ctas=launch.num_ctas,
-                               pairs=launch.pairs)
-        saved = (None, None, None)
-        if training:  # the cuda backend's activations, written by the launch
-            R, H, two_i = table.shape[0], fc1.shape[2], fc1.shape[1]
-            saved = (torch.empty((R, H), dtype=torch.bfloat16, device=x.device),
-                     torch.empty((R,), dtype=torch.float32, device=x.device),
-                     torch.empty((R, two_i), dtype=torch.bfloat16, device=x.device))
-        # The backend checked every argument when it prepared the call (and built the schedule,
-        # trace and copies here): the eager path skips the op's checks, torch.compile sees the op.
-        run_kernel = mk_ops.megakernel_forward if torch.compiler.is_compiling() else mk_ops.launch_forward
-        y = run_kernel(
-            ws.bases, ws.signal_bases, ws.layout.rows, ws.layout.scalars, ws.layout.slots, table, offsets, counts,
-            topk_ids, fc1, fc2, ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, ws.rank,
-            cfg.minibatch_rows, comm_ctas, launch.num_ctas, int(launch.timeout_s * 1e9), trace, *saved,
-            fc1_2, fc2_2, pairs=launch.pairs)
-        ws.mirror_status()
+        y, saved = _run_forward(x, topk_ids, topk_weights, fc1, fc2, call, fc1_2, fc2_2, training)
         if training:
-            ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, *saved, counts, fc1_2, fc2_2)
+            table, offsets, save_x, save_w, save_gu, counts = saved
+            ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, save_x, save_w, save_gu, counts, fc1_2, fc2_2)
             ctx.call = call
             ctx.tokens = x.shape[0]
         return y
@@ -280,6 +290,10 @@ def megakernel_moe(x, topk_ids, topk_weights, fc1_weight, fc2_weight, *, ep_grou
                                   fc1_weight2=fc1_2, fc2_weight2=fc2_2)
         ws.prepared_calls[key] = launch
     call = _Call(ws=ws, launch=launch, cuda_call=cuda_call)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (x, topk_weights, fc1, fc2, fc1_2, fc2_2))):
+        # Nothing to differentiate: skip the autograd function's own host time (~30 us a call).
+        return _run_forward(x, topk_ids, topk_weights, fc1, fc2, call, fc1_2, fc2_2, training=False)[0]
     return _MegakernelMoE.apply(x, topk_ids, topk_weights, fc1, fc2, call, fc1_2, fc2_2)
 
 

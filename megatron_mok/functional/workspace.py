@@ -211,9 +211,15 @@ class Workspace:
         if capacity is None:
             capacity = schedule_ops.table_rows(self.P, self.layout.max_tokens, self.layout.topk, L, tile_rows)
             self._table_rows[tile_rows] = capacity
-        table = torch.empty((capacity, 2), dtype=torch.int32, device=self.device)
-        counts = torch.empty(L, dtype=torch.int32, device=self.device)
-        offsets = torch.empty(L + 1, dtype=torch.int32, device=self.device)
+        # One allocation for the three (each allocation costs host time), each part starting on
+        # a 16-byte boundary.
+        pad = lambda n: (n + 3) // 4 * 4
+        at_counts = pad(2 * capacity)
+        at_offsets = at_counts + pad(L)
+        buf = torch.empty(at_offsets + pad(L + 1), dtype=torch.int32, device=self.device)
+        table = buf[:2 * capacity].view(capacity, 2)
+        counts = buf[at_counts:at_counts + L]
+        offsets = buf[at_offsets:at_offsets + L + 1]
         return table, counts, offsets, capacity
 
     def dispatch(self, x: torch.Tensor, ids: torch.Tensor, scalars: torch.Tensor, site: int, timeout_s: float,

@@ -1,8 +1,9 @@
 // The forward dispatch prologue of both GPU backends in one host call: publish this rank's
 // tokens, expert ids and router weights into its workspace region, meet every rank at the
-// dispatch barrier, and build this rank's schedule (mok/schedule.h). The same launches as
-// mok_barrier and mok_build_schedule after three copies, queued from C: a layer's host time
-// before its first GEMM (or the megakernel) is what a GPU with nothing else queued waits for.
+// dispatch barrier, and build this rank's schedule (mok/schedule.h). One publish kernel (x,
+// ids, router weights, T), then the same launches as mok_barrier and mok_build_schedule, queued
+// from C: a layer's host time before its first GEMM (or the megakernel) is what a GPU with
+// nothing else queued waits for.
 #pragma once
 
 #include <cuda_runtime.h>
