@@ -51,6 +51,7 @@ MOK_ERR_INVALID_ARGUMENT = -1
     (MoEShape(64, 1000, 2, 4, 512), MoKConfig(), "hidden size 1000 is not a multiple of 256"),
     (MoEShape(64, 1024, 2, 4, 192), MoKConfig(), "expert FFN size 192 is not a multiple of 128"),
     (MoEShape(64, 1024, 2, 2000, 512), MoKConfig(), "2000 experts per rank exceed the megakernel's 1024"),
+    (MoEShape(64, 1024, 1025, 4, 512), MoKConfig(), "top-k 1025 exceeds the megakernel's 1024"),
 ])
 def test_shape_rules(shape, config, message):
     reason = mkb.unsupported_reason(shape, config, 1)
@@ -493,6 +494,7 @@ def test_fake_impl_gives_the_output_shape():
     (dict(fc1_weight=torch.zeros(4, 1024, 1000, dtype=torch.bfloat16),
           fc2_weight=torch.zeros(4, 1000, 512, dtype=torch.bfloat16)), r"H = 1000 must be a multiple of 256"),
     (dict(topk_ids=torch.zeros(6, 2, dtype=torch.int32)), r"topk_ids must be torch.int64"),
+    (dict(topk_ids=torch.zeros(6, 1025, dtype=torch.int64)), r"top-k = 1025 is outside \[1, 1024\]"),
 ])
 def test_op_checks_name_the_bad_value(use_lib, over, message):
     a = _op_args()

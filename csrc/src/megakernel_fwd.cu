@@ -389,7 +389,7 @@ int check_args(const MokMegakernelArgs& a) {
               a.status);
   MOK_REQUIRE(a.T >= 0 && a.T < INT32_MAX && (a.T == 0 || (a.topk_ids && a.y)));
   MOK_REQUIRE(a.P >= 1 && a.P <= 1024 && a.rank >= 0 && a.rank < a.P);
-  MOK_REQUIRE(a.L >= 1 && a.L <= g::kMaxExperts && a.K >= 1 && a.K <= 1024);
+  MOK_REQUIRE(a.L >= 1 && a.L <= g::kMaxExperts && a.K >= 1 && a.K <= kSumMaxK);
   MOK_REQUIRE(a.H > 0 && a.H % kFc2Cols == 0 && a.I > 0 && a.I % kFc1Cols == 0);
   MOK_REQUIRE(a.H <= (1 << 20) && a.I <= (1 << 20));
   MOK_REQUIRE(a.minibatch_rows > 0 && a.minibatch_rows % kBlockRows == 0);

@@ -73,6 +73,8 @@ def unsupported_reason(shape: MoEShape, config: MoKConfig, ep_size: int) -> Opti
                 "(the fc1 tile's h columns)")
     if shape.experts_per_rank > mk_ops.MAX_EXPERTS:
         return f"{shape.experts_per_rank} experts per rank exceed the megakernel's {mk_ops.MAX_EXPERTS}"
+    if shape.topk > mk_ops.MAX_TOPK:
+        return f"top-k {shape.topk} exceeds the megakernel's {mk_ops.MAX_TOPK}"
     return cuda_backend.unsupported_reason(shape, config)  # the backward runs the cuda backend
 
 

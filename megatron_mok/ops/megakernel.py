@@ -31,6 +31,8 @@ FC2_COLS = 256
 """Output columns of one fc2 tile (H must be a multiple)."""
 MAX_EXPERTS = 1024
 """Local experts per launch (per-CTA tables in shared memory)."""
+MAX_TOPK = 1024
+"""Top-k per launch (the slot sum's per-chunk slot mask in shared memory, kSumMaxK)."""
 
 ITEM_KINDS = {1: "fc1", 2: "fc2", 3: "pull", 6: "pull_part"}
 FIRST_PULL_PARTS = 8
@@ -210,6 +212,8 @@ def check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc
     if counts is not None:
         _tensor("counts", counts, torch.int32, numel=L, device=dev)
     _tensor("topk_ids", topk_ids, torch.int64, 2, device=dev)
+    if not 1 <= topk_ids.shape[1] <= MAX_TOPK:
+        _fail(f"top-k = {topk_ids.shape[1]} is outside [1, {MAX_TOPK}]")
     R = ring_x.shape[0] if isinstance(ring_x, torch.Tensor) and ring_x.dim() == 2 else -1
     _tensor("ring_x", ring_x, torch.bfloat16, shape=(R, H), device=dev)
     _tensor("ring_h", ring_h, torch.bfloat16, shape=(R, I), device=dev)

@@ -24,6 +24,8 @@ constexpr int kSumThreads = 384;  // every thread of every CTA
 constexpr int kSumBarrier = 3;    // named barrier id (1 and 2 belong to the consumer warpgroups)
 constexpr int kSumChunk = 8;    // tokens per grab
 constexpr int kSumUnroll = 8;   // slot loads in flight per (token, vector)
+constexpr int kSumMaxK = 1024;  // the launch's bound on top-k (check_args)
+constexpr int kSumMaskWords = kSumMaxK / 32;
 
 struct SumArgs {
   const uint64_t* signal_bases;  // device [P]
@@ -41,6 +43,9 @@ struct SumArgs {
 struct SumShared {
   int32_t next;
   int32_t failed;
+  // The chunk's slots that hold a row: bit j of valid[i][j / 32] for token t0 + i, slot j (an
+  // id in [0, E)). Read once per chunk, so a slot load does not wait for its id's load.
+  uint32_t valid[kSumChunk][kSumMaskWords];
 };
 
 // Called by all kSumThreads threads of a CTA (tid = threadIdx.x).
@@ -61,9 +66,21 @@ __device__ __forceinline__ void combine_and_sum(const SumArgs& a, SumShared& sh,
     if (tid == 0) sh.next = atomicAdd(&a.counters[kSumNext], kSumChunk);
     gemm::named_barrier_sync(kSumBarrier, kSumThreads);
     const int t0 = sh.next;
-    gemm::named_barrier_sync(kSumBarrier, kSumThreads);  // all have read sh.next
-    if (t0 >= a.T) return;
+    if (t0 >= a.T) return;  // every thread read the same t0
     const int t1 = t0 + kSumChunk < a.T ? t0 + kSumChunk : a.T;
+    const int words = (a.K + 31) / 32;
+    for (int w = tid; w < (t1 - t0) * words; w += kSumThreads) {
+      const int i = w / words, j0 = (w % words) * 32;
+      const int j1 = j0 + 32 < a.K ? j0 + 32 : a.K;
+      const int64_t* ids = a.ids + (int64_t)(t0 + i) * a.K;
+      uint32_t bits = 0;
+      for (int j = j0; j < j1; ++j) {
+        const int64_t e = ids[j];
+        bits |= (e >= 0 && e < a.E ? 1u : 0u) << (j - j0);
+      }
+      sh.valid[i][w % words] = bits;
+    }
+    gemm::named_barrier_sync(kSumBarrier, kSumThreads);  // all have read sh.next; valid is set
     // The chunk's (token, vector) pairs, two per thread at a time, each with up to
     // kSumUnroll slot loads in flight: the sum reads K rows per token and must stream at
     // HBM speed (latency-bound otherwise).
@@ -88,8 +105,8 @@ __device__ __forceinline__ void combine_and_sum(const SumArgs& a, SumShared& sh,
 #pragma unroll
           for (int u = 0; u < kSumUnroll; ++u) {
             const int j = j0 + u;
-            const int64_t e = (j < a.K && q0 + h * kSumThreads < pairs) ? a.ids[tok[h] * a.K + j] : -1;
-            ok[h][u] = e >= 0 && e < a.E;
+            ok[h][u] = j < a.K && q0 + h * kSumThreads < pairs &&
+                       ((sh.valid[tok[h] - t0][j >> 5] >> (j & 31)) & 1u) != 0;
             if (ok[h][u]) r[h][u] = __ldcg(a.slots + (tok[h] * a.K + j) * a.vecs + vec[h]);
           }
 #pragma unroll
