@@ -10,7 +10,8 @@ first layer after a sync): the launch of the persistent kernel waits for all of 
 --to-launch it instead times synchronised calls (each alone, as a synchronised benchmark makes
 them) and prints, per step of the megakernel backend's host path, the median host time from the
 call's start to the step (its start or return), ending with the launch of the persistent kernel,
-and the GPU time of the whole call. Needs the CUDA library (an sm_90 GPU).
+and the GPU time of the whole call; --torch-trace DIR adds a torch.profiler trace of a few such
+calls (CUDA runtime calls with their host durations). Needs the CUDA library (an sm_90 GPU).
 
 Keep --iters below ~100 for the profile: calls queued back to back fill the CUDA launch queue
 after about that many, and the host then blocks in whichever launch finds it full
@@ -176,7 +177,8 @@ def main() -> None:
     ap.add_argument("--to-launch", action="store_true",
                     help="time synchronised calls: host time to each step's end, up to the launch")
     ap.add_argument("--torch-trace", metavar="DIR",
-                    help="also profile a few synchronised calls with torch.profiler (Chrome trace in DIR)")
+                    help="with --to-launch: also profile 5 synchronised calls with torch.profiler "
+                         "(Chrome trace in DIR, the last call's host events printed)")
     args = ap.parse_args()
 
     group = None

@@ -354,8 +354,8 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
     # Contiguous ids, as a router's top-k gives them (a strided view would add a copy of them to
-    # every timed call, ~0.1 ms of host time; the bounds at 48 and 192 per GPU before the
-    # fourteenth session included it).
+    # every timed call, ~0.1 ms of host time; every bound at P = 2, and at P = 1 with 8 or more
+    # experts, before the fourteenth session included it).
     ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K].contiguous() if E >= K else \
         torch.randint(0, E, (T, K), device="cuda", generator=g)
     w = torch.rand(T, K, device="cuda", generator=g)
