@@ -20,7 +20,9 @@ a per-CTA timeline chart of rank 0 (DIR/<name>.png) and, with --npz, every rank'
 With --bound it instead times issue 7's first bound: blocks of megakernel calls and of
 torch._grouped_mm fc1 + fc2 alone on the rank's expert load (A B B A B A A B, after alternating
 untimed calls of both), each after untimed calls that bring the card to the power state it holds
-under that load, and prints both medians, the ratio and the medians per block.
+under that load, and prints both medians, the ratio and the medians per block; with --host-lead
+MS the GPU spins MS before each timed call, so the host path before the launches is not timed;
+with --back-to-back each block's calls are queued without synchronising (steady state).
 With --ab NAME=A,B it instead times calls with the environment variable NAME set to A and to B
 alternately (the library reads its MOK_MEGAKERNEL_* switches at every launch), with
 --ab-settings two settings alternately; each call synchronised and timed on the slowest rank; it
@@ -45,6 +47,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_mok import MoKConfig  # noqa: E402
+from megatron_mok.bench.routing import ROUTINGS, RoutingSpec, make_routing  # noqa: E402
 from megatron_mok.bench.timing import BLOCK_ORDER, block_rounds, interleaved_rounds  # noqa: E402
 from megatron_mok.bench.tune import Candidate  # noqa: E402
 from megatron_mok.functional import check_errors, megakernel_backend, mok_moe  # noqa: E402
@@ -253,7 +256,8 @@ def gemms_alone(rows: int, counts: np.ndarray, fc1: torch.Tensor, fc2: torch.Ten
 
 
 def bound_timing(mk_call, gemms_call, rounds: int, warmup: int, distributed: bool, rank: int, label: str,
-                 device: Optional[torch.device] = None) -> Tuple[float, float]:
+                 device: Optional[torch.device] = None, host_lead_ms: float = 0.0,
+                 back_to_back: bool = False) -> Tuple[float, float]:
     """Issue 7's first bound, each side in the power state it holds under its own load: the
     megakernel call and torch._grouped_mm fc1 + fc2 alone on each rank's expert load in blocks
     (`block_rounds`, its default order, after 2 x `warmup` alternating untimed calls: each block
@@ -261,17 +265,24 @@ def bound_timing(mk_call, gemms_call, rounds: int, warmup: int, distributed: boo
     rank). Prints both medians, their ratio and the medians per block, and returns the medians
     (ms).
 
-    device: where the calls run (default: the current CUDA device)."""
+    device: where the calls run (default: the current CUDA device). host_lead_ms > 0: the GPU
+    spins that long before each timed call (`hold_stream`), so both sides are timed without the
+    host path before their launches (GPU time; the host runs ahead of the GPU in training).
+    back_to_back: each block's calls are queued back to back (`back_to_back_rounds`), the card
+    loaded without a gap as in a training step."""
     group = dist.group.WORLD if distributed else None
     device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
     times = block_rounds([("megakernel", mk_call), ("torch._grouped_mm", gemms_call)], rounds, group, device,
-                         warmup=warmup, preheat=2 * warmup)
+                         warmup=warmup, preheat=2 * warmup, host_lead_ms=host_lead_ms, back_to_back=back_to_back)
     check_errors()
     mk_ms, mm_ms = statistics.median(times["megakernel"]), statistics.median(times["torch._grouped_mm"])
+    mode = ("calls back to back" if back_to_back else
+            f"GPU time after a {host_lead_ms:g} ms host lead" if host_lead_ms > 0 else "synchronised calls")
     if rank == 0:
         print(f"{label}: megakernel {mk_ms:.3f} ms, torch._grouped_mm fc1 + fc2 alone {mm_ms:.3f} ms (medians of "
               f"{BLOCK_ORDER.count('A')} x {rounds} calls, blocks {BLOCK_ORDER} after {2 * warmup} alternating "
-              f"untimed calls, each block after {warmup} untimed ones, slowest rank); ratio "
+              f"untimed calls, each block after {warmup} untimed ones, slowest rank, "
+              f"{mode}); ratio "
               f"{mk_ms / mm_ms:.3f}x (bound 1.15x); {block_medians(times, rounds)}", flush=True)
     return mk_ms, mm_ms
 
@@ -319,6 +330,10 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=2048)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=6, help="experts per GPU")
+    ap.add_argument("--routing", choices=ROUTINGS, default="uniform",
+                    help="uniform (default), or a skewed routing of the layer benchmark")
+    ap.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent of --routing zipf")
+    ap.add_argument("--hot-fraction", type=float, default=1.0, help="share of tokens picking expert 0 (--routing hot)")
     ap.add_argument("--settings", nargs="+", default=["::"], help="comm:minibatch:ring (empty: default)")
     ap.add_argument("--iters", type=int, default=5, help="timed untraced calls per setting (median shown)")
     ap.add_argument("--out", default=None, help="write the rank-0 chart (and with --npz every rank's records) here")
@@ -338,6 +353,13 @@ def main() -> None:
                          "instead of call by call (keeps a difference in energy per call under the power cap)")
     ap.add_argument("--block-warmup", type=int, default=100, help="untimed calls before each block")
     ap.add_argument("--rounds", type=int, default=40, help="rounds of --ab, --ab-settings and --bound")
+    ap.add_argument("--back-to-back", action="store_true",
+                    help="--bound: queue each block's calls back to back (steady state, the host ahead of the GPU, "
+                         "as in training) instead of synchronising each call")
+    ap.add_argument("--host-lead", type=float, default=0.0, metavar="MS",
+                    help="--bound: the GPU spins MS before each timed call, so the host queues the call "
+                         "meanwhile and the time is the GPU's alone (default 0: synchronised calls, "
+                         "the host path to the launches included)")
     ap.add_argument("--training", action="store_true",
                     help="forward with grad: the launch also writes the activations the backward reads")
     args = ap.parse_args()
@@ -359,6 +381,9 @@ def main() -> None:
     ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K].contiguous() if E >= K else \
         torch.randint(0, E, (T, K), device="cuda", generator=g)
     w = torch.rand(T, K, device="cuda", generator=g)
+    if args.routing != "uniform":  # the layer benchmark's skewed routings (megatron_mok.bench.routing)
+        ids, w = make_routing(RoutingSpec(args.routing, zipf_s=args.zipf_s, hot_fraction=args.hot_fraction),
+                              T, E, K, seed=4321 + rank, device=torch.device("cuda"))
     fc1 = (torch.randn(L, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
     fc2 = (torch.randn(L, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
     if args.training:  # the outputs' graphs (and saved activations) are dropped call by call
@@ -388,7 +413,9 @@ def main() -> None:
         with torch.set_grad_enabled(args.training):
             bound_timing(lambda: mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg, backend="megakernel"),
                          gemms_alone_call(int(counts.sum()), counts, fc1, fc2), args.rounds, args.block_warmup,
-                         distributed, rank, f"L={L} {args.settings[0]}{' training' if args.training else ''}")
+                         distributed, rank, f"L={L} {args.settings[0]}{' training' if args.training else ''}"
+                         f"{'' if args.routing == 'uniform' else ' routing ' + args.routing}",
+                         host_lead_ms=args.host_lead, back_to_back=args.back_to_back)
         if distributed:
             dist.destroy_process_group()
         return

@@ -536,6 +536,28 @@ def test_block_rounds_time_blocks_in_thue_morse_order_after_preheat_and_warmup()
         block_rounds([variants[0], variants[0]], 1, None, torch.device("cpu"))
 
 
+def test_back_to_back_rounds_time_each_call_from_the_previous_end():
+    from megatron_mok.bench.timing import back_to_back_rounds, block_rounds
+
+    calls, setups = [], []
+    sleeps = iter([0.0] * 3 + [0.003, 0.001, 0.003, 0.001])  # 2 warmup + 1 untimed lead, then 4 timed
+
+    def call():
+        calls.append("c")
+        time.sleep(next(sleeps))
+    times = back_to_back_rounds("c", call, 4, None, torch.device("cpu"), warmup=2,
+                                setup=lambda: setups.append(len(calls)))
+    assert len(calls) == 7 and setups == list(range(7))  # setup before every call, timed or not
+    got = times["c"]
+    assert len(got) == 4
+    assert got[0] >= 3.0 and got[2] >= 3.0 and 1.0 <= got[1] < 3.0 and 1.0 <= got[3] < 3.0, got
+    variants = [("a", lambda: None), ("b", lambda: None)]
+    both = block_rounds(variants, 2, None, torch.device("cpu"), warmup=1, back_to_back=True)
+    assert len(both["a"]) == len(both["b"]) == 8
+    with pytest.raises(ValueError, match="choose one"):
+        block_rounds(variants, 1, None, torch.device("cpu"), back_to_back=True, host_lead_ms=1.0)
+
+
 def test_interleaved_rounds_alternate_the_order_and_drop_the_warmup():
     from megatron_mok.bench.timing import interleaved_rounds
 

@@ -37,8 +37,12 @@ class Stopwatch:
 
     def ms(self, start: str, end: str) -> float:
         """Milliseconds from point ``start`` to point ``end`` (synchronises on CUDA)."""
-        a, b = self.points[start], self.points[end]
-        if self.cuda:
+        return Stopwatch.between(self.points[start], self.points[end], torch.device("cuda" if self.cuda else "cpu"))
+
+    @staticmethod
+    def between(a: object, b: object, device: torch.device) -> float:
+        """Milliseconds from recorded point ``a`` to ``b`` (of any stopwatches on ``device``)."""
+        if device.type == "cuda":
             b.synchronize()  # type: ignore[union-attr]
             return float(a.elapsed_time(b))  # type: ignore[union-attr]
         return (b - a) * 1e3  # type: ignore[operator]
@@ -95,14 +99,31 @@ def align_ranks(group: Optional[dist.ProcessGroup], device: torch.device) -> Non
             torch.cuda.synchronize(device)
 
 
+SLEEP_CYCLES_PER_MS = 2_000_000
+"""GPU clock cycles per millisecond for ``torch.cuda._sleep`` (an H200's top clock is 1.98 GHz;
+at a lower clock the same cycles last longer, which only lengthens a host lead)."""
+
+
+def hold_stream(device: torch.device, host_lead_ms: float) -> None:
+    """Queue a spin of about ``host_lead_ms`` on ``device``'s current stream (nothing on the CPU
+    or for ``host_lead_ms <= 0``): the host then queues the next call while the GPU spins, so
+    the call's events time the GPU's work alone, without the host path before its launches."""
+    if host_lead_ms > 0 and device.type == "cuda":
+        torch.cuda._sleep(int(host_lead_ms * SLEEP_CYCLES_PER_MS))
+
+
 def interleaved_rounds(variants: Sequence[Tuple[str, Callable[[], object]]], rounds: int,
                        group: Optional[dist.ProcessGroup], device: torch.device, *, warmup: int = 2,
-                       setup: Optional[Callable[[], None]] = None) -> Dict[str, List[float]]:
+                       setup: Optional[Callable[[], None]] = None,
+                       host_lead_ms: float = 0.0) -> Dict[str, List[float]]:
     """Times (name, call) variants call by call, alternating their order every round (so slow
     drifts, such as the clock under a power cap, cancel in paired differences).
 
     Each call runs alone: ``setup`` (untimed), the ranks meet, the call is timed, the device is
-    synchronised; its time is the slowest rank's (an all-reduce MAX over ``group``).
+    synchronised; its time is the slowest rank's (an all-reduce MAX over ``group``). With
+    ``host_lead_ms > 0`` the GPU spins that long (:func:`hold_stream`) before the start event,
+    so the time is the GPU's alone: the host queues the call meanwhile, as it runs ahead of the
+    GPU in training. Without it the time includes the host path to each launch.
 
     Returns:
         {name: [ms of each timed round]}, ``rounds`` values each, in round order (the first
@@ -114,6 +135,7 @@ def interleaved_rounds(variants: Sequence[Tuple[str, Callable[[], object]]], rou
             if setup is not None:
                 setup()
             align_ranks(group, device)
+            hold_stream(device, host_lead_ms)
             watch = Stopwatch(device)
             watch.mark("start")
             call()
@@ -126,6 +148,51 @@ def interleaved_rounds(variants: Sequence[Tuple[str, Callable[[], object]]], rou
     return times
 
 
+LAUNCH_QUEUE_CALLS = 16
+"""Untimed back-to-back calls queued between synchronisations: far below the CUDA launch
+queue's depth (a megakernel call is a few launches; the thirteenth session saw the host block in
+a full queue after ~100 calls)."""
+
+
+def back_to_back_rounds(name: str, call: Callable[[], object], rounds: int, group: Optional[dist.ProcessGroup],
+                        device: torch.device, *, warmup: int = 2,
+                        setup: Optional[Callable[[], None]] = None) -> Dict[str, List[float]]:
+    """Times ``call`` in steady state: ``warmup`` untimed calls, then one more and ``rounds``
+    timed ones queued back to back with an event after each, as a training step queues its
+    layers. A call's time is from the end of the call before it to its own end: the GPU's time
+    for it while the host keeps ahead, and any gap the host leaves included. Each call's time is
+    the slowest rank's (an all-reduce MAX over ``group``, after the calls). ``setup`` runs
+    before every call (queued with it, so it is inside the time when it queues GPU work).
+
+    Returns:
+        {name: [ms of each timed call]}, ``rounds`` values in call order.
+    """
+    for i in range(warmup):
+        if setup is not None:
+            setup()
+        call()
+        if (i + 1) % LAUNCH_QUEUE_CALLS == 0 and device.type == "cuda":
+            torch.cuda.synchronize(device)
+    align_ranks(group, device)
+    if setup is not None:
+        setup()
+    call()  # the GPU runs this one while the host queues the timed calls: no host path is timed
+    watches = [Stopwatch(device) for _ in range(rounds + 1)]
+    watches[0].mark("end")
+    for r in range(rounds):
+        if setup is not None:
+            setup()
+        call()
+        watches[r + 1].mark("end")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    ms = [Stopwatch.between(watches[r].points["end"], watches[r + 1].points["end"], device) for r in range(rounds)]
+    out = torch.tensor(ms, dtype=torch.float64, device=device)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return {name: out.cpu().tolist()}
+
+
 BLOCK_ORDER = "ABBABAAB"
 """The default order of :func:`block_rounds`' blocks (the Thue-Morse sequence): both variants sit
 at positions summing to the same and with the same sum of squares, so a drift that is linear or
@@ -135,7 +202,8 @@ quadratic in time cancels (A B B A cancels only a linear one)."""
 def block_rounds(variants: Sequence[Tuple[str, Callable[[], object]]], rounds: int,
                  group: Optional[dist.ProcessGroup], device: torch.device, *, warmup: int = 100,
                  setup: Optional[Callable[[], None]] = None, order: str = BLOCK_ORDER,
-                 preheat: int = 0) -> Dict[str, List[float]]:
+                 preheat: int = 0, host_lead_ms: float = 0.0,
+                 back_to_back: bool = False) -> Dict[str, List[float]]:
     """Times two (name, call) variants in blocks, in ``order`` (letters A and B; by default
     :data:`BLOCK_ORDER`): each block runs ``warmup`` untimed calls of one variant, then ``rounds``
     timed ones, each call alone as in :func:`interleaved_rounds`. Before the first block,
@@ -147,7 +215,9 @@ def block_rounds(variants: Sequence[Tuple[str, Callable[[], object]]], rounds: i
     more (docs/perf-notes.md, eleventh session). In blocks A B B A the variant of the first
     block came out 0.11-0.16 ms (of 5.5) faster in three runs, whichever it was (cause not
     established; docs/perf-notes.md, fourteenth session); with the preheat and the default
-    order an A/A run differed by 0.04 ms.
+    order an A/A run differed by 0.04 ms. ``host_lead_ms``: as in :func:`interleaved_rounds`.
+    ``back_to_back``: each block's calls are queued back to back (:func:`back_to_back_rounds`)
+    instead of each alone.
 
     Returns:
         {name: [ms of each timed call]}, ``rounds`` values per block of the variant, in call
@@ -155,6 +225,8 @@ def block_rounds(variants: Sequence[Tuple[str, Callable[[], object]]], rounds: i
     """
     if sorted(set(order)) != ["A", "B"]:
         raise ValueError(f"order={order!r} must hold the letters A and B, and only those")
+    if back_to_back and host_lead_ms > 0:
+        raise ValueError("back_to_back and host_lead_ms > 0 both hide the host path; choose one")
     (name_a, call_a), (name_b, call_b) = variants
     if name_a == name_b:
         raise ValueError(f"both variants are named {name_a!r}; their times would merge")
@@ -165,5 +237,9 @@ def block_rounds(variants: Sequence[Tuple[str, Callable[[], object]]], rounds: i
     times: Dict[str, List[float]] = {name_a: [], name_b: []}
     for letter in order:
         name, call = (name_a, call_a) if letter == "A" else (name_b, call_b)
-        times[name] += interleaved_rounds([(name, call)], rounds, group, device, warmup=warmup, setup=setup)[name]
+        if back_to_back:
+            times[name] += back_to_back_rounds(name, call, rounds, group, device, warmup=warmup, setup=setup)[name]
+        else:
+            times[name] += interleaved_rounds([(name, call)], rounds, group, device, warmup=warmup, setup=setup,
+                                              host_lead_ms=host_lead_ms)[name]
     return times
