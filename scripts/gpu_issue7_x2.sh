@@ -11,7 +11,7 @@
 # pretrain, up to 390 s): the whole script can run past one 10-minute device call.
 #
 # Needs two GPUs (says so and exits 2 otherwise) and a prebuilt $MOK_LIBRARY to stay within one
-# call (the build alone takes minutes). Writes OUT_DIR/{tests,bound}.log, OUT_DIR/layer-x2.* and
+# call (the build alone takes minutes). Writes OUT_DIR/{tests,bound,bound-full}.log, OUT_DIR/layer-x2.* and
 # OUT_DIR/pretrain/; the exit status is non-zero when a step failed. Each step has a time limit;
 # each part stays under 10 minutes.
 set -uo pipefail

@@ -267,7 +267,7 @@ def bound_timing(mk_call, gemms_call, rounds: int, warmup: int, distributed: boo
 
     device: where the calls run (default: the current CUDA device). host_lead_ms > 0: the GPU
     spins that long before each timed call (`hold_stream`), so both sides are timed without the
-    host path before their launches (GPU time; the host runs ahead of the GPU in training).
+    host path before their launches, but at the higher clock of a lower duty cycle.
     back_to_back: each block's calls are queued back to back (`back_to_back_rounds`), the card
     loaded without a gap as in a training step."""
     group = dist.group.WORLD if distributed else None
@@ -358,11 +358,16 @@ def main() -> None:
                          "as in training) instead of synchronising each call")
     ap.add_argument("--host-lead", type=float, default=0.0, metavar="MS",
                     help="--bound: the GPU spins MS before each timed call, so the host queues the call "
-                         "meanwhile and the time is the GPU's alone (default 0: synchronised calls, "
-                         "the host path to the launches included)")
+                         "meanwhile and its path is not timed; the spin lowers the duty cycle, so the clock "
+                         "runs higher than in steady state (prefer --back-to-back) (default 0: synchronised "
+                         "calls, the host path to the launches included)")
     ap.add_argument("--training", action="store_true",
                     help="forward with grad: the launch also writes the activations the backward reads")
     args = ap.parse_args()
+    if (args.back_to_back or args.host_lead) and not args.bound:
+        ap.error("--back-to-back and --host-lead time the bound only: add --bound")
+    if args.back_to_back and args.host_lead:
+        ap.error("--back-to-back and --host-lead both keep the host path out of the time: choose one")
 
     distributed = "RANK" in os.environ
     if distributed:

@@ -107,7 +107,10 @@ at a lower clock the same cycles last longer, which only lengthens a host lead).
 def hold_stream(device: torch.device, host_lead_ms: float) -> None:
     """Queue a spin of about ``host_lead_ms`` on ``device``'s current stream (nothing on the CPU
     or for ``host_lead_ms <= 0``): the host then queues the next call while the GPU spins, so
-    the call's events time the GPU's work alone, without the host path before its launches."""
+    the call's events time the GPU's work alone, without the host path before its launches.
+    The spin also lowers the card's duty cycle, so under a power cap the timed call runs at a
+    higher clock than in steady state (both sides of the bound ~12% faster at P = 2,
+    docs/perf-notes.md, fifteenth session); :func:`back_to_back_rounds` keeps the steady state."""
     if host_lead_ms > 0 and device.type == "cuda":
         torch.cuda._sleep(int(host_lead_ms * SLEEP_CYCLES_PER_MS))
 
@@ -122,8 +125,9 @@ def interleaved_rounds(variants: Sequence[Tuple[str, Callable[[], object]]], rou
     Each call runs alone: ``setup`` (untimed), the ranks meet, the call is timed, the device is
     synchronised; its time is the slowest rank's (an all-reduce MAX over ``group``). With
     ``host_lead_ms > 0`` the GPU spins that long (:func:`hold_stream`) before the start event,
-    so the time is the GPU's alone: the host queues the call meanwhile, as it runs ahead of the
-    GPU in training. Without it the time includes the host path to each launch.
+    so the host path is not timed (the host queues the call meanwhile), at the price of a lower
+    duty cycle and so a higher clock (see :func:`hold_stream`). Without it the time includes the
+    host path to each launch.
 
     Returns:
         {name: [ms of each timed round]}, ``rounds`` values each, in round order (the first
