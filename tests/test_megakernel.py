@@ -307,7 +307,8 @@ def test_plan_covers_every_item_once_in_the_documented_order(use_lib, n_blocks, 
     assert fc1_mb0 == [(b, c) for grp in groups for c in range(n1) for b in grp]
 
 
-def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahead, seed, pairs=False):
+def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahead, seed, pairs=False,
+             comm_joins=False):
     """Replay the kernel's protocol: workers take queue items in order, wait for the counter
     targets the plan gives, and bump the counters the kernel bumps. Returns None when every
     item ran, else a description of the deadlock. Asserts the dependencies and the slot
@@ -317,7 +318,9 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
     workers pull, compute workers run tiles (an fc2 tile pushes its rows home itself; a slot is
     free once its block's fc2 tiles are done). With pairs, a compute worker is a cluster of two
     CTAs that takes pair tiles: its loads go out once both blocks' inputs are in (each CTA's
-    consumers wait for the weight box the other multicasts), and both tiles finish together."""
+    consumers wait for the weight box the other multicasts), and both tiles finish together.
+    With comm_joins, a comm worker whose pull queue is empty (and who holds no pull) becomes a
+    compute worker, as a comm CTA of the kernel does (MOK_MEGAKERNEL_COMM_JOINS)."""
     rng = random.Random(seed)
     queues = {q: _queue(q, n_blocks, mb, slots, n1, n2) for q in ("compute", "pull", "first_pull")}
     # Compute items as lists of tiles: one tile, or the one or two tiles of a pair.
@@ -359,8 +362,9 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
             del owner[b % slots]
 
     comm = [None] * comm_workers                        # item being waited on
-    producers = [None] * compute_workers                # item the TMA thread waits on
-    issued = [[] for _ in range(compute_workers)]       # tiles whose loads are issued, in order
+    producers = [None] * (compute_workers + comm_workers)   # item the TMA thread waits on
+    issued = [[] for _ in range(compute_workers + comm_workers)]  # tiles whose loads are issued, in order
+    joined = []                                         # comm workers now computing
     workers = [("comm", w) for w in range(comm_workers)] + [("compute", w) for w in range(compute_workers)]
     first = {wk: None for wk in workers}                # first-pull part a worker holds
     in_first = {wk: True for wk in workers}             # still serving the first-pull queue
@@ -380,14 +384,16 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
             else:
                 actions.append(("leave_first", wk))
         for w in range(comm_workers):
-            if in_first[("comm", w)]:
+            if in_first[("comm", w)] or w in joined:
                 continue
             if comm[w] is None and nxt["pull"] < len(queues["pull"]):
                 actions.append(("take_comm", w))
             elif comm[w] is not None and ready(comm[w]):
                 actions.append(("run_comm", w))
-        for w in range(compute_workers):
-            if in_first[("compute", w)]:
+            elif comm[w] is None and comm_joins:
+                actions.append(("join", w))
+        for w in list(range(compute_workers)) + [compute_workers + j for j in joined]:
+            if w < compute_workers and in_first[("compute", w)]:
                 continue
             if producers[w] is None and nxt["compute"] < len(queues["compute"]) and len(issued[w]) < lookahead:
                 actions.append(("take_compute", w))
@@ -408,6 +414,8 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
             first[w] = None
         elif act == "leave_first":
             in_first[w] = False
+        elif act == "join":
+            joined.append(w)
         elif act == "take_comm":
             comm[w] = queues["pull"][nxt["pull"]]
             nxt["pull"] += 1
@@ -440,7 +448,9 @@ def test_protocol_never_deadlocks_and_respects_dependencies(use_lib, seed):
                 comm_workers=rng.randint(1, 6), compute_workers=rng.randint(1, 5), lookahead=rng.randint(1, 3))
     for replay in range(3):
         for pairs in (False, True):
-            assert simulate(**args, seed=seed * 10 + replay, pairs=pairs) is None, (args, pairs)
+            for joins in (False, True):
+                assert simulate(**args, seed=seed * 10 + replay, pairs=pairs, comm_joins=joins) is None, (
+                    args, pairs, joins)
 
 
 def test_one_hot_expert_through_a_two_slot_ring(use_lib):
@@ -448,6 +458,8 @@ def test_one_hot_expert_through_a_two_slot_ring(use_lib):
     assert simulate(24, 1, 2, 16, 28, comm_workers=2, compute_workers=6, lookahead=2, seed=7) is None
     assert simulate(24, 1, 2, 16, 28, comm_workers=2, compute_workers=3, lookahead=2, seed=7, pairs=True) is None
     assert simulate(24, 2, 4, 16, 28, comm_workers=2, compute_workers=3, lookahead=2, seed=8, pairs=True) is None
+    assert simulate(24, 1, 2, 16, 28, comm_workers=2, compute_workers=3, lookahead=2, seed=9, pairs=True,
+                    comm_joins=True) is None
 
 
 def test_a_one_minibatch_ring_deadlocks_and_the_simulator_sees_it(use_lib):
@@ -829,10 +841,12 @@ def test_megakernel_one_hot_expert_through_a_small_ring():
 
 COPIES_ENV = "MOK_MEGAKERNEL_COPIES"
 """Set to "registers", the comm CTAs copy rows through registers instead of TMA bulk copies."""
-SWITCHES_OFF = {"MOK_MEGAKERNEL_HALF_A": "0", "MOK_MEGAKERNEL_FIRST_PULL": "0", "MOK_MEGAKERNEL_PAIRS": "0"}
+SWITCHES_OFF = {"MOK_MEGAKERNEL_HALF_A": "0", "MOK_MEGAKERNEL_FIRST_PULL": "0", "MOK_MEGAKERNEL_PAIRS": "0",
+                "MOK_MEGAKERNEL_ZIGZAG": "0", "MOK_MEGAKERNEL_COMM_JOINS": "0"}
 """The launch's other comparison switches, off: every tile loads all 128 rows of A; no first
 pulls in parts (the comm CTAs pull every block); single CTAs instead of clusters of two sharing
-the weight tiles."""
+the weight tiles; every expert's blocks in layout order instead of zigzag; the comm CTAs stay
+off the compute queue."""
 SETTINGS = [(2, 128, 256), (2, 256, 1024), (4, 512, 1024), (3, 384, 1536), (None, None, None)]
 
 
@@ -882,7 +896,7 @@ def test_megakernel_is_bitwise_identical_across_settings(virtual, monkeypatch):
     results.append(_run(case, group.ranks if virtual else [None], config, group.streams if virtual else None))
     _check_against_oracle(case, results[0], f"settings {SETTINGS[0]}")
     for setting, res in zip(SETTINGS[1:] + ["register copies",
-                                            "half-A loads, first pulls, pairs off"],
+                                            "half-A loads, first pulls, pairs, zigzag, comm joining off"],
                             results[1:]):
         _assert_equal_runs(results[0], res, f"settings {SETTINGS[0]} vs {setting}")
 
@@ -1024,6 +1038,44 @@ def test_timeline_tile_boundaries_measure_from_the_previous_tile_end(monkeypatch
     single = tl.tile_boundaries(items, pairs=False)
     assert [line.split(" (")[0] for line in single] == ["  fc1 -> fc2", "  fc2 -> fc2"]
     assert "(n=2)" in single[0] and "(n=2)" in single[1]
+
+
+def test_timeline_maps_queue_blocks_to_layout_rows_and_their_homes(monkeypatch):
+    # Two local experts: 300 rows (100 from rank 0, 200 from rank 1) and 130 rows (all from
+    # rank 0), seen from rank 0. Layout blocks: expert 0 -> 0, 1, 2 (rows 0-299), expert 1 -> 3, 4.
+    tl = _timeline_script(monkeypatch)
+    by_source = np.array([[100, 130], [200, 0]])
+    real = tl.block_real_rows(by_source.sum(axis=0), 5)
+    assert real.tolist() == [128, 128, 44, 128, 2]
+    # Rows [100, 300) of expert 0 come from rank 1: 28 of block 0, all of block 1, 44 of block 2.
+    assert tl.block_remote_rows(by_source, 0, 5).tolist() == [28, 128, 44, 0, 0]
+    assert tl.block_remote_rows(by_source, 1, 5).tolist() == [100, 0, 0, 128, 2]
+    # The zigzag order takes each expert's blocks from the front and the back in turn, as
+    # zigzag_block in plan.cuh: a permutation within every expert.
+    assert tl.layout_blocks(np.array([300, 130]), 5, zigzag=True).tolist() == [0, 2, 1, 3, 4]
+    assert tl.layout_blocks(np.array([300, 0, 600]), 8, zigzag=True).tolist() == [0, 2, 1, 3, 7, 4, 6, 5]
+    assert tl.layout_blocks(np.array([300, 130]), 5, zigzag=False).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_peer_store_bench_compiles():
+    """scripts/peer_store_bench.cu, the standalone measurement of fc2's push store pattern,
+    still builds with the toolkit CI has (it runs on two GPUs only)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from megatron_mok import _build
+
+    nvcc = _build.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found: cannot compile scripts/peer_store_bench.cu")
+    src = Path(__file__).resolve().parent.parent / "scripts" / "peer_store_bench.cu"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer_store_bench"
+        res = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", str(src),
+                              "-o", str(out)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert out.stat().st_size > 0
 
 
 def test_timeline_bound_times_each_side_in_blocks_after_warmup(monkeypatch):

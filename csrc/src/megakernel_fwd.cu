@@ -5,10 +5,11 @@
 // (pull row blocks, all 12 warps on one block at a time), the others compute CTAs (a TMA
 // producer thread and two wgmma consumer warpgroups on fc1/fc2 tiles; fc2's epilogue pushes the
 // output rows home). Roles by ticket, not by blockIdx, so whichever CTAs run first include the
-// comm CTAs: the launch makes progress with any number of resident CTAs above comm_ctas. Once
-// its queue is empty every CTA joins the combine-done wait and the slot sum with all its
-// threads. Every compute CTA counts its fc2 tiles as delivered at its end; whoever completes
-// the count raises the combine-done flags on every rank.
+// comm CTAs: the launch makes progress with any number of resident CTAs above comm_ctas. A comm
+// CTA whose pull queue is empty joins the compute CTAs. Once its queue is empty every CTA joins
+// the combine-done wait and the slot sum with all its threads. Every CTA that ran fc2 tiles
+// counts them as delivered at its end; whoever completes the count raises the combine-done
+// flags on every rank.
 //
 // Kernel-boundary reasoning (what this launch may read without in-kernel synchronisation):
 // the schedule (table, offsets, counts) and the counter reset + epoch come from earlier
@@ -60,6 +61,8 @@ struct KernelParams {
   int mb_blocks, slots, n1, n2;
   int bulk_copies;   // 1: comm CTAs move rows with TMA bulk copies; 0: through registers
   int pairs;         // 1: launched in clusters of two that run pair tiles (plan.cuh)
+  int zigzag;        // 1: an expert's blocks are handed out in zigzag order (plan.cuh)
+  int comm_joins;    // 1: a comm CTA whose pull queue is empty joins the compute CTAs
 };
 
 // Shared memory after the stage ring (whose plan is Fc1Cfg::kSmemBytes, alignment included).
@@ -111,7 +114,8 @@ __device__ __forceinline__ int64_t comm_record(const Plan& plan, const Item& it,
 // the warps' copy chunks (a compute CTA has no tile in flight before its first). A CTA takes
 // no item at or past `limit` (the queue's end by default).
 __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Plan& plan, CtaShared& sh,
-                                                 uint8_t* stage_area, int queue, int limit = INT32_MAX) {
+                                                 const int32_t* offs, uint8_t* stage_area, int queue,
+                                                 int limit = INT32_MAX) {
   const Deadline d = deadline_of(p);
   const int items = queue_items(plan, queue);
   const bool bounded = limit < items;
@@ -153,7 +157,9 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
     const int slot = it.block % plan.slots;
     constexpr int kPartRows = kBlockRows / kFirstPullParts;
     const RowRange range = it.kind == kPull ? kWholeBlock : RowRange{it.col * kPartRows, kPartRows};
-    pull_rows(p.rows, it.block, range, slot, warp, warps, lane, bulk);
+    const int layout_block =
+        layout_block_of(offs, expert_of_row(offs, p.L, it.block * kBlockRows), it.block, p.zigzag != 0);
+    pull_rows(p.rows, layout_block, range, slot, warp, warps, lane, bulk);
     fence_proxy_async_global();  // fc1 reads these rows with TMA
     __syncthreads();  // every row of the block written
     if (threadIdx.x == 0) {
@@ -169,8 +175,8 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
 // Not inlined: a third inlined copy of the row-copy code made ptxas spill in the GEMM epilogue
 // (168 registers, the launch bound).
 __device__ __noinline__ void serve_first_pulls(const KernelParams& p, const Plan& plan, CtaShared& sh,
-                                               uint8_t* stage_area, bool compute_cta) {
-  serve_comm_queue(p, plan, sh, stage_area, kFirstPullQueue,
+                                               const int32_t* offs, uint8_t* stage_area, bool compute_cta) {
+  serve_comm_queue(p, plan, sh, offs, stage_area, kFirstPullQueue,
                    compute_cta ? first_pull_items_for_compute(plan) : INT32_MAX);
 }
 
@@ -210,18 +216,25 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
   }
   // Every CTA pulls the first blocks, in parts, before it takes its role: nothing can be
   // computed before they land, and the comm CTAs then start on the blocks after them.
-  serve_first_pulls(p, plan, sh, ring1.a(0), sh.ticket >= p.comm_ctas);
-  if (sh.ticket < p.comm_ctas) {
-    serve_comm_queue(p, plan, sh, ring1.a(0), kPullQueue);
+  const bool comm_cta = sh.ticket < p.comm_ctas;
+  serve_first_pulls(p, plan, sh, ring1.table0, ring1.a(0), !comm_cta);
+  if (comm_cta) {
+    serve_comm_queue(p, plan, sh, ring1.table0, ring1.a(0), kPullQueue);
     if (threadIdx.x == 0) p.trace.stamp(cta_record, kTrReady);
     // No rows routed to this rank: no fc2 tile will complete the count of deliveries. (Every
     // pull happens-before the fc2 tiles of its block through the counters, so the flags also
     // say that this rank has read everything it pulls from its peers.)
     if (plan.n_blocks == 0 && sh.ticket == 0 && threadIdx.x == 0 && !timeout_recorded(p.status))
       raise_combine_done(p.signal_bases, p.P, p.rank, sh.epoch);
-  } else {
+  }
+  // A comm CTA whose pull queue is empty (every block is pulled or being pulled) joins the
+  // compute CTAs on what is left of the compute queue: in the last minibatches the pulls are
+  // done while the tiles still run. It holds compute items only after its last pull, and a
+  // compute item waits only for earlier positions' work, so this adds no cycle of waits.
+  if (!comm_cta || p.comm_joins) {
     // Pair mode: the peer multicasts into this CTA's stages as soon as its producer starts, and
-    // the first pulls used them as copy chunks: both CTAs finish those first.
+    // the pulls used them as copy chunks (their bulk stores complete): both CTAs finish those
+    // first.
     if (p.pairs) g::cluster_sync();
     const ComputeContext cx{p.counters, deadline_of(p), p.L, p.trace};
     const PairLink link{p.pairs ? rank : -1, &sh.mail, &sh.pair_ticket};
@@ -229,7 +242,8 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     // in the GEMM loop or the epilogues (ptxas -v: 8 bytes, the trace record of the CTA), and at
     // 40 registers the producer's queue and wait logic would spill.
     if (wg == 0) {
-      if (threadIdx.x == 0) produce_tiles(p.ops, plan, cx, ring1.table0, ring1.table1, ring1, ring2, sh.records, link);
+      if (threadIdx.x == 0)
+        produce_tiles(p.ops, plan, cx, ring1.table0, ring1.table1, ring1, ring2, sh.records, link, p.zigzag != 0);
     } else {
       const int halves = consume_tiles(p.ops, plan, cx, ring1, ring2, sh.records, wg - 1);
       const DeliveryArgs da{p.counters, p.status, p.signal_bases, sh.epoch, p.P, p.rank, fc2_arrivals(plan)};
@@ -270,7 +284,9 @@ bool bulk_copies_enabled() {
 
 // Switches kept for comparison (the results are bitwise the same either way):
 // MOK_MEGAKERNEL_HALF_A=0 loads all 128 rows of A for every tile; MOK_MEGAKERNEL_PAIRS=0 / 1
-// launches single CTAs / clusters of two whatever MokMegakernelArgs::pairs asks.
+// launches single CTAs / clusters of two whatever MokMegakernelArgs::pairs asks;
+// MOK_MEGAKERNEL_ZIGZAG=0 hands out every expert's blocks in layout order;
+// MOK_MEGAKERNEL_COMM_JOINS=0 keeps the comm CTAs off the compute queue.
 bool env_flag(const char* name, bool fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == 0) return fallback;
@@ -514,6 +530,8 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.n1 = (int)(a.I / kFc1Cols);
   p.n2 = (int)(a.H / kFc2Cols);
   p.bulk_copies = bulk_copies_enabled() ? 1 : 0;
+  p.zigzag = env_flag("MOK_MEGAKERNEL_ZIGZAG", true) ? 1 : 0;
+  p.comm_joins = env_flag("MOK_MEGAKERNEL_COMM_JOINS", true) ? 1 : 0;
   const bool want_pairs = env_flag("MOK_MEGAKERNEL_PAIRS", a.pairs != 0);
 
   int64_t grid = 0;

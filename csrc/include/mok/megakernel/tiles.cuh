@@ -59,7 +59,7 @@ struct StageRecord {
   int32_t col;      // column block
   int32_t row_end;  // ring rows >= row_end are padding
   int32_t index;    // position in the compute queue (the trace record)
-  int32_t block;    // row block (its layout rows: block * 128 ..); -1: the pair's missing block
+  int32_t block;    // layout row block (its rows: block * 128 ..); -1: the pair's missing block
   int32_t pad;
 };
 
@@ -90,6 +90,14 @@ __device__ __forceinline__ int expert_of_row(const int32_t* offs, int L, int row
     if (offs[mid] <= row) lo = mid; else hi = mid - 1;
   }
   return lo;
+}
+
+// The layout block whose rows the queues' block `block` of expert e stands for (plan.cuh,
+// zigzag_block); `block` itself without the zigzag order.
+__device__ __forceinline__ int layout_block_of(const int32_t* offs, int e, int block, bool zigzag) {
+  if (!zigzag) return block;
+  const int first = offs[e] / kBlockRows;
+  return zigzag_block(first, offs[e + 1] / kBlockRows - first, block);
 }
 
 // How a tile's stages are filled in pair mode (plan.cuh). kOwnB: the CTA loads its A rows and
@@ -190,7 +198,7 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
                                               const int32_t* offs, const int32_t* cnts,
                                               const gemm::SmemRing<Fc1Cfg>& ring1,
                                               const gemm::SmemRing<Fc2Cfg>& ring2, StageRecord* records,
-                                              const PairLink& link) {
+                                              const PairLink& link, bool zigzag) {
   gemm::tma_prefetch_descriptor(&ops.fc1.map_a);
   gemm::tma_prefetch_descriptor(&ops.fc1.map_b);
   gemm::tma_prefetch_descriptor(&ops.fc2.map_a);
@@ -266,14 +274,15 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
       // The rows just acquired were written with generic stores; order the TMA reads after them.
       fence_proxy_async_global();
       const int slot = it.block % plan.slots;
-      const int row = it.block * kBlockRows;
-      const int e = expert_of_row(offs, cx.L, row);
+      const int e = expert_of_row(offs, cx.L, it.block * kBlockRows);
+      const int layout_block = layout_block_of(offs, e, it.block, zigzag);
+      const int row = layout_block * kBlockRows;
       int real = offs[e] + cnts[e] - row;
       real = real < 0 ? 0 : (real > kBlockRows ? kBlockRows : real);
       rec.expert = e;
       rec.row0 = slot * kBlockRows;
       rec.row_end = rec.row0 + real;
-      rec.block = it.block;
+      rec.block = layout_block;
       // The tile's expert indexes its weight segment.
       second_segment = e >= ops.L1;
       t = gemm::RowTile{second_segment ? e - ops.L1 : e, rec.row0, it.col, rec.row_end, true};
