@@ -87,6 +87,41 @@ def block_real_rows(counts: np.ndarray, n_blocks: int) -> np.ndarray:
     return real
 
 
+def layout_blocks(counts: np.ndarray, n_blocks: int, zigzag: bool) -> np.ndarray:
+    """The layout block each block of the queues stands for (int [n_blocks]): the identity, or
+    with the zigzag order (``MOK_MEGAKERNEL_ZIGZAG``, on by default) the expert's blocks taken
+    alternately from its front and its back (``zigzag_block`` in plan.cuh)."""
+    order = np.arange(n_blocks)
+    if not zigzag:
+        return order
+    first = 0
+    for cnt in counts:
+        n = (int(cnt) + 127) // 128
+        j = np.arange(n)
+        order[first:first + n] = first + np.where(j % 2 == 0, j // 2, n - 1 - j // 2)
+        first += n
+    return order
+
+
+def block_remote_rows(counts_by_source: np.ndarray, rank: int, n_blocks: int) -> np.ndarray:
+    """Real rows of each 128-row block whose home is another rank, from the rows each source
+    rank routes to each local expert (int [P, L]): within an expert the layout holds the rows in
+    (source rank, token, slot) order (csrc/src/schedule.cu)."""
+    counts = counts_by_source.sum(axis=0)
+    padded = (counts + 127) // 128 * 128
+    starts = np.concatenate([[0], np.cumsum(padded)[:-1]])
+    remote = np.zeros(n_blocks, dtype=np.int64)
+    for l, start in enumerate(starts):
+        row = int(start)
+        for s, cnt in enumerate(counts_by_source[:, l]):
+            if s != rank:  # rows [row, row + cnt) of the layout go to rank s
+                for b in range(row // 128, (row + int(cnt) + 127) // 128):
+                    if b < n_blocks:
+                        remote[b] += min(row + int(cnt), 128 * (b + 1)) - max(row, 128 * b)
+            row += int(cnt)
+    return remote
+
+
 def tile_boundaries(items, pairs: bool) -> List[str]:
     """Per kind of boundary between two consecutive tiles of a compute CTA (fc1 -> fc1, fc1 -> fc2,
     ...), the medians of when the next tile was taken, when its input was acquired and when its
@@ -117,9 +152,10 @@ def tile_boundaries(items, pairs: bool) -> List[str]:
 
 
 def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_rows=None,
-              pairs: bool = False) -> List[str]:
+              pairs: bool = False, remote_rows=None) -> List[str]:
     """The timeline summary as lines of text (real_rows: per block, splits the tile times into
-    blocks with more than 64 real rows and blocks with at most 64)."""
+    blocks with more than 64 real rows and blocks with at most 64; remote_rows: per block, the
+    real rows whose home is another rank, splits them by that share)."""
     out = [f"-- {label}"]
     span = ctas["end"].max()
     kinds = items["kind"]
@@ -148,6 +184,15 @@ def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_row
                 if part.any():
                     out.append(f"      blocks with {what}: n={int(part.sum())} run median "
                                f"{np.median(run[part]) * 1e3:.1f} us, CTA-time {run[part].sum():.1f} ms")
+        if remote_rows is not None and real_rows is not None and k in flop:
+            blk = items["block"][sel]
+            share = remote_rows[blk] / np.maximum(real_rows[blk], 1)
+            for what, part in (("no remote rows", share == 0), ("some remote rows", (share > 0) & (share < 1)),
+                               ("only remote rows", share >= 1)):
+                if part.any():
+                    out.append(f"      blocks with {what}: n={int(part.sum())} run median "
+                               f"{np.median(run[part]) * 1e3:.1f} us (p90 {np.percentile(run[part], 90) * 1e3:.1f}), "
+                               f"CTA-time {run[part].sum():.1f} ms")
     # Compute CTAs: busy share of [their start, last tile done], stalls between tiles.
     comp = np.isin(kinds, (1, 2))
     stall_by_kind = {1: 0.0, 2: 0.0}
@@ -412,6 +457,12 @@ def main() -> None:
     routed = torch.cat([i.reshape(-1) for i in all_ids])
     local = routed[(routed >= rank * L) & (routed < (rank + 1) * L)] - rank * L
     counts = torch.bincount(local, minlength=L).cpu().numpy()
+    by_source = []  # rows each source rank routes to each local expert
+    for src_ids in all_ids:
+        flat = src_ids.reshape(-1)
+        mine = flat[(flat >= rank * L) & (flat < (rank + 1) * L)] - rank * L
+        by_source.append(torch.bincount(mine, minlength=L).cpu().numpy())
+    counts_by_source = np.stack(by_source)
     if args.bound:
         cfg = Candidate.parse(args.settings[0]).config(MoKConfig())
         os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
@@ -489,8 +540,11 @@ def main() -> None:
                  f"ring={tr['ring_rows']}{' training' if args.training else ''}: {ms:.3f} ms untraced ({flop / ms / 1e9:.0f} TFLOP/s); back to back "
                  f"{stream_ms:.3f} ms/call, host {host_ms:.3f} ms/call")
         n_blocks = int(((counts + 127) // 128).sum())
+        # The trace names blocks by their queue order; the rows they hold are the layout's.
+        order = layout_blocks(counts, n_blocks, os.environ.get("MOK_MEGAKERNEL_ZIGZAG", "1") != "0")
         lines = summarize(items, ctas, H=H, I=I, mb_rows=tr["minibatch_rows"], label=label,
-                          real_rows=block_real_rows(counts, n_blocks), pairs=pairs)
+                          real_rows=block_real_rows(counts, n_blocks)[order], pairs=pairs,
+                          remote_rows=block_remote_rows(counts_by_source, rank, n_blocks)[order] if P > 1 else None)
         if not args.milestones:
             lines = [line for line in lines if not line.startswith("  mb ") and "minibatches of" not in line]
         if distributed:
