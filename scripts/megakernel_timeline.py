@@ -193,13 +193,20 @@ def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_row
                     out.append(f"      blocks with {what}: n={int(part.sum())} run median "
                                f"{np.median(run[part]) * 1e3:.1f} us (p90 {np.percentile(run[part], 90) * 1e3:.1f}), "
                                f"CTA-time {run[part].sum():.1f} ms")
-    # Compute CTAs: busy share of [their start, last tile done], stalls between tiles.
+    # Compute CTAs: busy share of [their start, last tile done], stalls between tiles. Comm CTAs
+    # that joined the compute queue after their pulls are counted apart.
     comp = np.isin(kinds, (1, 2))
+    comm_ctas = set(ctas["cta"][ctas["role"] == 1].tolist())
+    joined = [c for c in np.unique(items["cta"][comp]) if int(c) in comm_ctas]
+    if joined:
+        sel = comp & np.isin(items["cta"], joined)
+        out.append(f"comm CTAs that joined the compute queue: {len(joined)}, {int(sel.sum())} tiles from "
+                   f"{items['start'][sel].min():.3f} ms, CTA-time {(items['done'][sel] - items['start'][sel]).sum():.1f} ms")
     stall_by_kind = {1: 0.0, 2: 0.0}
     busy = 0.0
     window = 0.0
     first_gap = []
-    for c in np.unique(items["cta"][comp]):
+    for c in [c for c in np.unique(items["cta"][comp]) if int(c) not in comm_ctas]:
         sel = comp & (items["cta"] == c)
         order = np.argsort(items["start"][sel])
         st, dn, kd = items["start"][sel][order], items["done"][sel][order], kinds[sel][order]
@@ -210,7 +217,7 @@ def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_row
         gaps = st[1:] - dn[:-1]
         for k in (1, 2):
             stall_by_kind[k] += float(gaps[(kd[1:] == k) & (gaps > 0)].sum())
-    n_comp = len(np.unique(items["cta"][comp]))
+    n_comp = len(np.unique(items["cta"][comp])) - len(joined)
     out.append(f"compute CTAs {n_comp}: busy {100 * busy / window:.1f}% of their window; stalls before fc1 "
                f"{stall_by_kind[1] / n_comp:.3f} ms, before fc2 {stall_by_kind[2] / n_comp:.3f} ms per CTA; "
                f"first tile starts {statistics.median(first_gap):.3f} ms after the CTA (median)")

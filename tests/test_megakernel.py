@@ -1057,6 +1057,23 @@ def test_timeline_maps_queue_blocks_to_layout_rows_and_their_homes(monkeypatch):
     assert tl.layout_blocks(np.array([300, 130]), 5, zigzag=False).tolist() == [0, 1, 2, 3, 4]
 
 
+def test_timeline_counts_joining_comm_ctas_apart(monkeypatch):
+    # CTA 0 is a comm CTA (role 1) that ran one fc2 tile after its pulls; CTA 1 a compute CTA
+    # with an fc1 and an fc2 tile. The busy share and stalls are the compute CTA's alone.
+    tl = _timeline_script(monkeypatch)
+    items = dict(kind=np.array([1, 2, 2, 3]), block=np.array([0, 0, 1, 1]), col=np.zeros(4, dtype=np.int64),
+                 cta=np.array([1, 1, 0, 0]), take=np.array([0.01, 0.1, 0.5, 0.0]),
+                 ready=np.array([0.01, 0.1, 0.5, 0.0]), start=np.array([0.02, 0.11, 0.5, 0.0]),
+                 done=np.array([0.1, 0.14, 0.53, 0.05]))
+    ctas = dict(role=np.array([1, 0]), cta=np.array([0, 1]), start=np.zeros(2), queue_end=np.array([0.5, 0.2]),
+                combine=np.array([0.6, 0.6]), end=np.array([0.7, 0.7]))
+    lines = tl.summarize(items, ctas, H=256, I=128, mb_rows=256, label="joined")
+    assert any(line.startswith("comm CTAs that joined the compute queue: 1, 1 tiles from 0.500 ms") for line in lines)
+    busy = [line for line in lines if line.startswith("compute CTAs")]
+    # CTA 1: tiles 0.02-0.10 and 0.11-0.14 of its window 0-0.14 -> 110 / 140 us busy.
+    assert busy and busy[0].startswith("compute CTAs 1: busy 78.6%"), busy
+
+
 def test_peer_store_bench_compiles():
     """scripts/peer_store_bench.cu, the standalone measurement of fc2's push store pattern,
     still builds with the toolkit CI has (it runs on two GPUs only)."""
