@@ -87,22 +87,6 @@ def block_real_rows(counts: np.ndarray, n_blocks: int) -> np.ndarray:
     return real
 
 
-def layout_blocks(counts: np.ndarray, n_blocks: int, zigzag: bool) -> np.ndarray:
-    """The layout block each block of the queues stands for (int [n_blocks]): the identity, or
-    with the zigzag order (``MOK_MEGAKERNEL_ZIGZAG``, on by default) the expert's blocks taken
-    alternately from its front and its back (``zigzag_block`` in plan.cuh)."""
-    order = np.arange(n_blocks)
-    if not zigzag:
-        return order
-    first = 0
-    for cnt in counts:
-        n = (int(cnt) + 127) // 128
-        j = np.arange(n)
-        order[first:first + n] = first + np.where(j % 2 == 0, j // 2, n - 1 - j // 2)
-        first += n
-    return order
-
-
 def block_remote_rows(counts_by_source: np.ndarray, rank: int, n_blocks: int) -> np.ndarray:
     """Real rows of each 128-row block whose home is another rank, from the rows each source
     rank routes to each local expert (int [P, L]): within an expert the layout holds the rows in
@@ -548,7 +532,7 @@ def main() -> None:
                  f"{stream_ms:.3f} ms/call, host {host_ms:.3f} ms/call")
         n_blocks = int(((counts + 127) // 128).sum())
         # The trace names blocks by their queue order; the rows they hold are the layout's.
-        order = layout_blocks(counts, n_blocks, os.environ.get("MOK_MEGAKERNEL_ZIGZAG", "1") != "0")
+        order = np.array(mk_ops.layout_blocks(counts.tolist()), dtype=np.int64)
         lines = summarize(items, ctas, H=H, I=I, mb_rows=tr["minibatch_rows"], label=label,
                           real_rows=block_real_rows(counts, n_blocks)[order], pairs=pairs,
                           remote_rows=block_remote_rows(counts_by_source, rank, n_blocks)[order] if P > 1 else None)

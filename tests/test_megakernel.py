@@ -842,7 +842,7 @@ def test_megakernel_one_hot_expert_through_a_small_ring():
 COPIES_ENV = "MOK_MEGAKERNEL_COPIES"
 """Set to "registers", the comm CTAs copy rows through registers instead of TMA bulk copies."""
 SWITCHES_OFF = {"MOK_MEGAKERNEL_HALF_A": "0", "MOK_MEGAKERNEL_FIRST_PULL": "0", "MOK_MEGAKERNEL_PAIRS": "0",
-                "MOK_MEGAKERNEL_ZIGZAG": "0", "MOK_MEGAKERNEL_COMM_JOINS": "0"}
+                "MOK_MEGAKERNEL_BLOCK_ORDER": "0", "MOK_MEGAKERNEL_COMM_JOINS": "0"}
 """The launch's other comparison switches, off: every tile loads all 128 rows of A; no first
 pulls in parts (the comm CTAs pull every block); single CTAs instead of clusters of two sharing
 the weight tiles; every expert's blocks in layout order instead of zigzag; the comm CTAs stay
@@ -1050,11 +1050,31 @@ def test_timeline_maps_queue_blocks_to_layout_rows_and_their_homes(monkeypatch):
     # Rows [100, 300) of expert 0 come from rank 1: 28 of block 0, all of block 1, 44 of block 2.
     assert tl.block_remote_rows(by_source, 0, 5).tolist() == [28, 128, 44, 0, 0]
     assert tl.block_remote_rows(by_source, 1, 5).tolist() == [100, 0, 0, 128, 2]
-    # The zigzag order takes each expert's blocks from the front and the back in turn, as
-    # zigzag_block in plan.cuh: a permutation within every expert.
-    assert tl.layout_blocks(np.array([300, 130]), 5, zigzag=True).tolist() == [0, 2, 1, 3, 4]
-    assert tl.layout_blocks(np.array([300, 0, 600]), 8, zigzag=True).tolist() == [0, 2, 1, 3, 7, 4, 6, 5]
-    assert tl.layout_blocks(np.array([300, 130]), 5, zigzag=False).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_block_orders_permute_each_experts_blocks(use_lib, monkeypatch):
+    """mok_megakernel_layout_blocks (the kernel's own layout_block, plan.cuh): which layout block
+    each queue block stands for."""
+    # Layout order, and zigzag: each expert's blocks from the front and the back in turn.
+    assert mk.layout_blocks([300, 130], "layout") == [0, 1, 2, 3, 4]
+    assert mk.layout_blocks([300, 130], "zigzag") == [0, 2, 1, 3, 4]
+    assert mk.layout_blocks([300, 0, 600], "zigzag") == [0, 2, 1, 3, 7, 4, 6, 5]
+    # The launches' order follows MOK_MEGAKERNEL_BLOCK_ORDER, zigzag by default.
+    monkeypatch.delenv("MOK_MEGAKERNEL_BLOCK_ORDER", raising=False)
+    assert mk.layout_blocks([300, 130]) == [0, 2, 1, 3, 4]
+    monkeypatch.setenv("MOK_MEGAKERNEL_BLOCK_ORDER", "0")
+    assert mk.layout_blocks([300, 130]) == [0, 1, 2, 3, 4]
+    rng = random.Random(5)
+    for _ in range(200):
+        counts = [rng.choice([0, 1, 43, 128, 300, 683, 700, 5500]) for _ in range(rng.randint(1, 12))]
+        starts = np.concatenate([[0], np.cumsum([(c + 127) // 128 for c in counts])]).tolist()
+        out = mk.layout_blocks(counts, "zigzag")
+        for first, end in zip(starts[:-1], starts[1:]):
+            # A permutation of the expert's blocks: front, back, front + 1, back - 1, ...
+            n = end - first
+            assert out[first:end] == [first + (j // 2 if j % 2 == 0 else n - 1 - j // 2) for j in range(n)], counts
+    with pytest.raises(mk.MegakernelArgumentError):
+        mk.layout_blocks([-1], "zigzag")
 
 
 def test_timeline_counts_joining_comm_ctas_apart(monkeypatch):

@@ -61,7 +61,7 @@ struct KernelParams {
   int mb_blocks, slots, n1, n2;
   int bulk_copies;   // 1: comm CTAs move rows with TMA bulk copies; 0: through registers
   int pairs;         // 1: launched in clusters of two that run pair tiles (plan.cuh)
-  int zigzag;        // 1: an expert's blocks are handed out in zigzag order (plan.cuh)
+  int block_order;   // which layout rows a block of the queues stands for (plan.cuh, BlockOrder)
   int comm_joins;    // 1: a comm CTA whose pull queue is empty joins the compute CTAs
 };
 
@@ -157,9 +157,9 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
     const int slot = it.block % plan.slots;
     constexpr int kPartRows = kBlockRows / kFirstPullParts;
     const RowRange range = it.kind == kPull ? kWholeBlock : RowRange{it.col * kPartRows, kPartRows};
-    const int layout_block =
-        layout_block_of(offs, expert_of_row(offs, p.L, it.block * kBlockRows), it.block, p.zigzag != 0);
-    pull_rows(p.rows, layout_block, range, slot, warp, warps, lane, bulk);
+    const int rows_block =
+        layout_block_of(offs, expert_of_row(offs, p.L, it.block * kBlockRows), it.block, p.block_order);
+    pull_rows(p.rows, rows_block, range, slot, warp, warps, lane, bulk);
     fence_proxy_async_global();  // fc1 reads these rows with TMA
     __syncthreads();  // every row of the block written
     if (threadIdx.x == 0) {
@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     // 40 registers the producer's queue and wait logic would spill.
     if (wg == 0) {
       if (threadIdx.x == 0)
-        produce_tiles(p.ops, plan, cx, ring1.table0, ring1.table1, ring1, ring2, sh.records, link, p.zigzag != 0);
+        produce_tiles(p.ops, plan, cx, ring1.table0, ring1.table1, ring1, ring2, sh.records, link, p.block_order);
     } else {
       const int halves = consume_tiles(p.ops, plan, cx, ring1, ring2, sh.records, wg - 1);
       const DeliveryArgs da{p.counters, p.status, p.signal_bases, sh.epoch, p.P, p.rank, fc2_arrivals(plan)};
@@ -285,7 +285,8 @@ bool bulk_copies_enabled() {
 // Switches kept for comparison (the results are bitwise the same either way):
 // MOK_MEGAKERNEL_HALF_A=0 loads all 128 rows of A for every tile; MOK_MEGAKERNEL_PAIRS=0 / 1
 // launches single CTAs / clusters of two whatever MokMegakernelArgs::pairs asks;
-// MOK_MEGAKERNEL_ZIGZAG=0 hands out every expert's blocks in layout order;
+// MOK_MEGAKERNEL_BLOCK_ORDER=0 / 1 hands out every expert's blocks in layout / zigzag order
+// (block_order_for);
 // MOK_MEGAKERNEL_COMM_JOINS=0 keeps the comm CTAs off the compute queue.
 bool env_flag(const char* name, bool fallback) {
   const char* v = std::getenv(name);
@@ -301,6 +302,15 @@ int first_minibatches_for() {
   if (v == nullptr || *v == 0) return kFirstPullMinibatches;
   const long n = std::strtol(v, nullptr, 10);
   return n < 0 ? 0 : (n > 8 ? 8 : (int)n);
+}
+
+// MOK_MEGAKERNEL_BLOCK_ORDER: which layout rows a block of the queues stands for (plan.cuh,
+// BlockOrder), for comparison: unset or 1 zigzag, 0 layout order. The results are bitwise the
+// same.
+int block_order_for() {
+  const char* v = std::getenv("MOK_MEGAKERNEL_BLOCK_ORDER");
+  if (v == nullptr || *v == 0) return kZigzag;
+  return std::strtol(v, nullptr, 10) <= 0 ? kLayoutOrder : kZigzag;
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
@@ -457,6 +467,24 @@ MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_
   return MOK_OK;
 }
 
+MOK_API int mok_megakernel_layout_blocks(const int32_t* counts, int L, int order, int32_t* out, int64_t out_len) {
+  MOK_REQUIRE(counts != nullptr && out != nullptr && L >= 1 && order >= -1 && order <= 1);
+  int64_t n_blocks = 0;
+  for (int l = 0; l < L; ++l) {
+    MOK_REQUIRE(counts[l] >= 0);
+    n_blocks += (counts[l] + kBlockRows - 1) / kBlockRows;
+  }
+  MOK_REQUIRE(n_blocks <= out_len && n_blocks < INT32_MAX);
+  const int resolved = order < 0 ? block_order_for() : order;
+  int first = 0;
+  for (int l = 0; l < L; ++l) {
+    const int n = (counts[l] + kBlockRows - 1) / kBlockRows;
+    for (int b = first; b < first + n; ++b) out[b] = layout_block(first, n, b, resolved);
+    first += n;
+  }
+  return MOK_OK;
+}
+
 MOK_API int mok_megakernel_launch_shape(int64_t comm_ctas, int64_t num_ctas, int64_t want_pairs, int64_t* out) {
   MOK_REQUIRE(out != nullptr && comm_ctas >= 2 && num_ctas >= 0 && (want_pairs == 0 || want_pairs == 1));
   int64_t grid = 0;
@@ -530,7 +558,7 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.n1 = (int)(a.I / kFc1Cols);
   p.n2 = (int)(a.H / kFc2Cols);
   p.bulk_copies = bulk_copies_enabled() ? 1 : 0;
-  p.zigzag = env_flag("MOK_MEGAKERNEL_ZIGZAG", true) ? 1 : 0;
+  p.block_order = block_order_for();
   p.comm_joins = env_flag("MOK_MEGAKERNEL_COMM_JOINS", true) ? 1 : 0;
   const bool want_pairs = env_flag("MOK_MEGAKERNEL_PAIRS", a.pairs != 0);
 

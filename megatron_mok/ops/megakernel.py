@@ -15,7 +15,7 @@ tests.
 from __future__ import annotations
 
 import ctypes
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -87,6 +87,7 @@ def _lib():
         "args_bytes": lib.function("mok_megakernel_args_bytes", _i64, []),
         "counter_words": lib.function("mok_megakernel_counter_words", _i64, [_i]),
         "plan_item": lib.function("mok_megakernel_plan_item", _i, [_i, _i, _i, _i, _i, _i, _i, _i, _v]),
+        "layout_blocks": lib.function("mok_megakernel_layout_blocks", _i, [_v, _i, _i, _v, _i64]),
         "launch_shape": lib.function("mok_megakernel_launch_shape", _i, [_i64, _i64, _i64, _v]),
         "forward": lib.function("mok_megakernel_forward", _i, [ctypes.POINTER(MegakernelArgs), _v]),
     }
@@ -121,6 +122,27 @@ def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int,
                                       f"{lib._dll.mok_error_string(code).decode()}")
     kind, block, col, counter, slot, target = list(out)
     return ITEM_KINDS[kind], block, col, COUNTERS[counter], slot, target
+
+
+BLOCK_ORDERS = {"layout": 0, "zigzag": 1}
+"""The kernel's block orders (mok/megakernel/plan.cuh, BlockOrder)."""
+
+
+def layout_blocks(counts: Sequence[int], order: Optional[str] = None) -> List[int]:
+    """The layout row block each block of the kernel's queues stands for, for a rank whose
+    local experts received ``counts`` rows (int per expert): a list of
+    ``sum(ceil(c / 128))`` ints, a permutation within each expert's blocks. ``order``: one of
+    :data:`BLOCK_ORDERS`, or None for the order the launches take now
+    (``MOK_MEGAKERNEL_BLOCK_ORDER``; the default is "zigzag")."""
+    lib, fns = _lib()
+    n_blocks = sum((int(c) + BLOCK_ROWS - 1) // BLOCK_ROWS for c in counts)
+    cnt = (ctypes.c_int32 * max(len(counts), 1))(*[int(c) for c in counts])
+    out = (ctypes.c_int32 * max(n_blocks, 1))()
+    code = fns["layout_blocks"](cnt, len(counts), -1 if order is None else BLOCK_ORDERS[order], out, n_blocks)
+    if code != 0:
+        raise MegakernelArgumentError(f"layout_blocks for {len(counts)} experts, order={order!r}: "
+                                      f"{lib._dll.mok_error_string(code).decode()}")
+    return list(out)[:n_blocks]
 
 
 def pair_partner(block: int, n_blocks: int, mb_blocks: int) -> Optional[int]:

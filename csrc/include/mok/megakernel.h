@@ -82,6 +82,13 @@ MOK_API int64_t mok_megakernel_counter_words(int ring_slots);
 MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_blocks, int slots,
                                      int n1, int n2, int pairs, int32_t* out);
 
+// The layout block each block of the queues stands for (plan.cuh, BlockOrder), for a rank
+// whose local experts received counts[0 .. L) rows: out[b] for the n_blocks = sum of
+// ceil(counts[l] / 128) blocks (out_len at least that). order 0 layout, 1 zigzag, -1 the order
+// the launches take now (MOK_MEGAKERNEL_BLOCK_ORDER). Returns MOK_OK or
+// MOK_ERR_INVALID_ARGUMENT. No CUDA call.
+MOK_API int mok_megakernel_layout_blocks(const int32_t* counts, int L, int order, int32_t* out, int64_t out_len);
+
 // The grid mok_megakernel_forward launches on the current device for these comm_ctas, num_ctas
 // (0: every SM) and pairs, with MOK_MEGAKERNEL_PAIRS as it is now: out[0] = CTAs, out[1] = 1
 // when they run in clusters of two (pair mode), else 0. Queries the device; returns MOK_OK, a

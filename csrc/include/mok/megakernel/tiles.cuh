@@ -93,11 +93,11 @@ __device__ __forceinline__ int expert_of_row(const int32_t* offs, int L, int row
 }
 
 // The layout block whose rows the queues' block `block` of expert e stands for (plan.cuh,
-// zigzag_block); `block` itself without the zigzag order.
-__device__ __forceinline__ int layout_block_of(const int32_t* offs, int e, int block, bool zigzag) {
-  if (!zigzag) return block;
+// BlockOrder).
+__device__ __forceinline__ int layout_block_of(const int32_t* offs, int e, int block, int order) {
+  if (order == kLayoutOrder) return block;
   const int first = offs[e] / kBlockRows;
-  return zigzag_block(first, offs[e + 1] / kBlockRows - first, block);
+  return layout_block(first, offs[e + 1] / kBlockRows - first, block, order);
 }
 
 // How a tile's stages are filled in pair mode (plan.cuh). kOwnB: the CTA loads its A rows and
@@ -198,7 +198,7 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
                                               const int32_t* offs, const int32_t* cnts,
                                               const gemm::SmemRing<Fc1Cfg>& ring1,
                                               const gemm::SmemRing<Fc2Cfg>& ring2, StageRecord* records,
-                                              const PairLink& link, bool zigzag) {
+                                              const PairLink& link, int block_order) {
   gemm::tma_prefetch_descriptor(&ops.fc1.map_a);
   gemm::tma_prefetch_descriptor(&ops.fc1.map_b);
   gemm::tma_prefetch_descriptor(&ops.fc2.map_a);
@@ -275,14 +275,14 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
       fence_proxy_async_global();
       const int slot = it.block % plan.slots;
       const int e = expert_of_row(offs, cx.L, it.block * kBlockRows);
-      const int layout_block = layout_block_of(offs, e, it.block, zigzag);
-      const int row = layout_block * kBlockRows;
+      const int rows_block = layout_block_of(offs, e, it.block, block_order);
+      const int row = rows_block * kBlockRows;
       int real = offs[e] + cnts[e] - row;
       real = real < 0 ? 0 : (real > kBlockRows ? kBlockRows : real);
       rec.expert = e;
       rec.row0 = slot * kBlockRows;
       rec.row_end = rec.row0 + real;
-      rec.block = layout_block;
+      rec.block = rows_block;
       // The tile's expert indexes its weight segment.
       second_segment = e >= ops.L1;
       t = gemm::RowTile{second_segment ? e - ops.L1 : e, rec.row0, it.col, rec.row_end, true};
