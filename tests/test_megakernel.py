@@ -1075,6 +1075,8 @@ def test_block_orders_permute_each_experts_blocks(use_lib, monkeypatch):
             assert out[first:end] == [first + (j // 2 if j % 2 == 0 else n - 1 - j // 2) for j in range(n)], counts
     with pytest.raises(mk.MegakernelArgumentError):
         mk.layout_blocks([-1], "zigzag")
+    with pytest.raises(ValueError, match="block order 'diagonal'"):
+        mk.layout_blocks([300], "diagonal")
 
 
 def test_timeline_counts_joining_comm_ctas_apart(monkeypatch):

@@ -134,6 +134,8 @@ def layout_blocks(counts: Sequence[int], order: Optional[str] = None) -> List[in
     ``sum(ceil(c / 128))`` ints, a permutation within each expert's blocks. ``order``: one of
     :data:`BLOCK_ORDERS`, or None for the order the launches take now
     (``MOK_MEGAKERNEL_BLOCK_ORDER``; the default is "zigzag")."""
+    if order is not None and order not in BLOCK_ORDERS:
+        raise ValueError(f"block order {order!r}: expected one of {sorted(BLOCK_ORDERS)} or None")
     lib, fns = _lib()
     n_blocks = sum((int(c) + BLOCK_ROWS - 1) // BLOCK_ROWS for c in counts)
     cnt = (ctypes.c_int32 * max(len(counts), 1))(*[int(c) for c in counts])
