@@ -308,7 +308,7 @@ def test_plan_covers_every_item_once_in_the_documented_order(use_lib, n_blocks, 
 
 
 def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahead, seed, pairs=False,
-             comm_joins=False):
+             comm_joins=False, helpers=False, stats=None):
     """Replay the kernel's protocol: workers take queue items in order, wait for the counter
     targets the plan gives, and bump the counters the kernel bumps. Returns None when every
     item ran, else a description of the deadlock. Asserts the dependencies and the slot
@@ -320,7 +320,10 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
     CTAs that takes pair tiles: its loads go out once both blocks' inputs are in (each CTA's
     consumers wait for the weight box the other multicasts), and both tiles finish together.
     With comm_joins, a comm worker whose pull queue is empty (and who holds no pull) becomes a
-    compute worker, as a comm CTA of the kernel does (MOK_MEGAKERNEL_COMM_JOINS)."""
+    compute worker, as a comm CTA of the kernel does (MOK_MEGAKERNEL_COMM_JOINS). With helpers,
+    every compute worker also serves the pull queue from the time it leaves the first-pull queue,
+    next to its tiles, as a compute CTA's idle producer warps do (MOK_MEGAKERNEL_PULL_HELPERS).
+    `stats`, a dict, gets the number of pulls each kind of server ran ("comm", "help")."""
     rng = random.Random(seed)
     queues = {q: _queue(q, n_blocks, mb, slots, n1, n2) for q in ("compute", "pull", "first_pull")}
     # Compute items as lists of tiles: one tile, or the one or two tiles of a pair.
@@ -361,7 +364,10 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
         if kind == "fc2" and all(("fc2", b, j) in done for j in range(n2)):
             del owner[b % slots]
 
-    comm = [None] * comm_workers                        # item being waited on
+    pull_servers = [("comm", w) for w in range(comm_workers)]
+    if helpers:
+        pull_servers += [("help", w) for w in range(compute_workers)]
+    comm = {srv: None for srv in pull_servers}          # pull a server holds (waits on)
     producers = [None] * (compute_workers + comm_workers)   # item the TMA thread waits on
     issued = [[] for _ in range(compute_workers + comm_workers)]  # tiles whose loads are issued, in order
     joined = []                                         # comm workers now computing
@@ -383,14 +389,15 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
                 actions.append(("take_first", wk))
             else:
                 actions.append(("leave_first", wk))
-        for w in range(comm_workers):
-            if in_first[("comm", w)] or w in joined:
+        for srv in pull_servers:
+            role, w = srv
+            if (role == "comm" and (in_first[srv] or w in joined)) or (role == "help" and in_first[("compute", w)]):
                 continue
-            if comm[w] is None and nxt["pull"] < len(queues["pull"]):
-                actions.append(("take_comm", w))
-            elif comm[w] is not None and ready(comm[w]):
-                actions.append(("run_comm", w))
-            elif comm[w] is None and comm_joins:
+            if comm[srv] is None and nxt["pull"] < len(queues["pull"]):
+                actions.append(("take_comm", srv))
+            elif comm[srv] is not None and ready(comm[srv]):
+                actions.append(("run_comm", srv))
+            elif comm[srv] is None and comm_joins and role == "comm":
                 actions.append(("join", w))
         for w in list(range(compute_workers)) + [compute_workers + j for j in joined]:
             if w < compute_workers and in_first[("compute", w)]:
@@ -420,6 +427,8 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
             comm[w] = queues["pull"][nxt["pull"]]
             nxt["pull"] += 1
         elif act == "run_comm":
+            if stats is not None:
+                stats[w[0]] = stats.get(w[0], 0) + 1
             start(comm[w])
             finish(comm[w])
             comm[w] = None
@@ -448,9 +457,9 @@ def test_protocol_never_deadlocks_and_respects_dependencies(use_lib, seed):
                 comm_workers=rng.randint(1, 6), compute_workers=rng.randint(1, 5), lookahead=rng.randint(1, 3))
     for replay in range(3):
         for pairs in (False, True):
-            for joins in (False, True):
-                assert simulate(**args, seed=seed * 10 + replay, pairs=pairs, comm_joins=joins) is None, (
-                    args, pairs, joins)
+            for joins, helpers in ((False, False), (True, False), (False, True), (True, True)):
+                assert simulate(**args, seed=seed * 10 + replay, pairs=pairs, comm_joins=joins,
+                                helpers=helpers) is None, (args, pairs, joins, helpers)
 
 
 def test_one_hot_expert_through_a_two_slot_ring(use_lib):
@@ -460,6 +469,19 @@ def test_one_hot_expert_through_a_two_slot_ring(use_lib):
     assert simulate(24, 2, 4, 16, 28, comm_workers=2, compute_workers=3, lookahead=2, seed=8, pairs=True) is None
     assert simulate(24, 1, 2, 16, 28, comm_workers=2, compute_workers=3, lookahead=2, seed=9, pairs=True,
                     comm_joins=True) is None
+    assert simulate(24, 1, 2, 16, 28, comm_workers=2, compute_workers=3, lookahead=2, seed=10, pairs=True,
+                    comm_joins=True, helpers=True) is None
+
+
+def test_pull_helpers_take_pulls(use_lib):
+    # The helpers really serve the pull queue next to one comm worker (which, as the kernel's
+    # comm CTAs do, also drains the first-pull queue past the first minibatch).
+    args = dict(n_blocks=30, mb=2, slots=6, n1=3, n2=2, comm_workers=1, compute_workers=4, lookahead=2)
+    for pairs in (False, True):
+        stats = {}
+        for seed in range(5):
+            assert simulate(**args, seed=seed, pairs=pairs, helpers=True, stats=stats) is None
+        assert stats.get("help", 0) > 0 and stats.get("comm", 0) > 0, stats
 
 
 def test_a_one_minibatch_ring_deadlocks_and_the_simulator_sees_it(use_lib):
@@ -842,11 +864,12 @@ def test_megakernel_one_hot_expert_through_a_small_ring():
 COPIES_ENV = "MOK_MEGAKERNEL_COPIES"
 """Set to "registers", the comm CTAs copy rows through registers instead of TMA bulk copies."""
 SWITCHES_OFF = {"MOK_MEGAKERNEL_HALF_A": "0", "MOK_MEGAKERNEL_FIRST_PULL": "0", "MOK_MEGAKERNEL_PAIRS": "0",
-                "MOK_MEGAKERNEL_BLOCK_ORDER": "0", "MOK_MEGAKERNEL_COMM_JOINS": "0"}
+                "MOK_MEGAKERNEL_BLOCK_ORDER": "0", "MOK_MEGAKERNEL_COMM_JOINS": "0",
+                "MOK_MEGAKERNEL_PULL_HELPERS": "0"}
 """The launch's other comparison switches, off: every tile loads all 128 rows of A; no first
 pulls in parts (the comm CTAs pull every block); single CTAs instead of clusters of two sharing
 the weight tiles; every expert's blocks in layout order instead of zigzag; the comm CTAs stay
-off the compute queue."""
+off the compute queue; the compute CTAs' idle producer warps do not pull."""
 SETTINGS = [(2, 128, 256), (2, 256, 1024), (4, 512, 1024), (3, 384, 1536), (None, None, None)]
 
 
@@ -896,7 +919,7 @@ def test_megakernel_is_bitwise_identical_across_settings(virtual, monkeypatch):
     results.append(_run(case, group.ranks if virtual else [None], config, group.streams if virtual else None))
     _check_against_oracle(case, results[0], f"settings {SETTINGS[0]}")
     for setting, res in zip(SETTINGS[1:] + ["register copies",
-                                            "half-A loads, first pulls, pairs, zigzag, comm joining off"],
+                                            "half-A loads, first pulls, pairs, zigzag, comm joining, pull helpers off"],
                             results[1:]):
         _assert_equal_runs(results[0], res, f"settings {SETTINGS[0]} vs {setting}")
 
@@ -1096,9 +1119,11 @@ def test_timeline_counts_joining_comm_ctas_apart(monkeypatch):
     assert busy and busy[0].startswith("compute CTAs 1: busy 78.6%"), busy
 
 
-def test_peer_store_bench_compiles():
-    """scripts/peer_store_bench.cu, the standalone measurement of fc2's push store pattern,
-    still builds with the toolkit CI has (it runs on two GPUs only)."""
+@pytest.mark.parametrize("bench", ["peer_store_bench", "slot_sum_bench"])
+def test_standalone_bench_compiles(bench):
+    """The standalone measurements in scripts/ (peer_store_bench.cu: fc2's push store pattern,
+    two GPUs; slot_sum_bench.cu: the megakernel's own slot sum and variants of it, one GPU)
+    still build with the toolkit CI has, against the headers they measure."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -1107,11 +1132,12 @@ def test_peer_store_bench_compiles():
 
     nvcc = _build.find_nvcc()
     if nvcc is None:
-        pytest.skip("nvcc not found: cannot compile scripts/peer_store_bench.cu")
-    src = Path(__file__).resolve().parent.parent / "scripts" / "peer_store_bench.cu"
+        pytest.skip(f"nvcc not found: cannot compile scripts/{bench}.cu")
+    root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "peer_store_bench"
-        res = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", str(src),
+        out = Path(tmp) / bench
+        res = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                              f"-I{root / 'csrc' / 'include'}", str(root / "scripts" / f"{bench}.cu"),
                               "-o", str(out)], capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-2000:]
         assert out.stat().st_size > 0

@@ -7,6 +7,7 @@
 
 #include "mok/comm.h"
 #include "mok/cuda_check.cuh"
+#include "mok/vec_copy.cuh"
 
 namespace {
 
@@ -17,15 +18,7 @@ constexpr int kUnroll = 4;
 
 __device__ inline void copy_row(const uint4* __restrict__ src, uint4* __restrict__ dst, int vecs,
                                 int lane) {
-  int v = lane;
-  for (; v + (kUnroll - 1) * kWarp < vecs; v += kUnroll * kWarp) {
-    uint4 r[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) r[u] = src[v + u * kWarp];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) dst[v + u * kWarp] = r[u];
-  }
-  for (; v < vecs; v += kWarp) dst[v] = src[v];
+  mok::copy_vecs_strided<kUnroll>(src, dst, vecs, lane, kWarp);
 }
 
 __device__ inline void zero_row(uint4* dst, int vecs, int lane) {

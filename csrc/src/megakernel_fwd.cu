@@ -63,6 +63,7 @@ struct KernelParams {
   int pairs;         // 1: launched in clusters of two that run pair tiles (plan.cuh)
   int block_order;   // which layout rows a block of the queues stands for (plan.cuh, BlockOrder)
   int comm_joins;    // 1: a comm CTA whose pull queue is empty joins the compute CTAs
+  int pull_helpers;  // 1: warps 1-3 of every compute CTA serve the pull queue too (Crew)
 };
 
 // Shared memory after the stage ring (whose plan is Fc1Cfg::kSmemBytes, alignment included).
@@ -70,6 +71,7 @@ struct CtaShared {
   uint64_t copy_bars[kCopyWarps * kCopyStages];  // comm CTAs' bulk-copy mbarriers
   StageRecord records[g::kMaxStages];
   Item comm_item;
+  Item helper_item;  // pull helpers (Crew)
   SumShared sum;
   uint64_t epoch;
   uint64_t mail;        // pair mode: the producers' hand-over barrier (tiles.cuh, PairLink)
@@ -108,30 +110,55 @@ __device__ __forceinline__ int64_t comm_record(const Plan& plan, const Item& it,
   return base + comm_items(plan) + gridDim.x + index;
 }
 
-// All threads of a CTA serving a pull queue: every CTA the first-pull queue when it starts, the
-// comm CTAs then the pull queue. Thread 0 takes the next item and waits for its slot; the 12
-// warps copy the item's rows; thread 0 releases the block's counter. The CTA's stage area holds
-// the warps' copy chunks (a compute CTA has no tile in flight before its first). A CTA takes
-// no item at or past `limit` (the queue's end by default).
+// Who serves a pull queue: all threads of a CTA (barrier 0, __syncthreads), or the idle warps of
+// a compute CTA's producer warpgroup (pull helpers, a named barrier of their own). The crew's
+// first thread takes the items; its warps copy the rows.
+struct Crew {
+  int first_thread, threads, barrier;
+  Item* item;  // shared memory: the item the first thread took
+  __device__ __forceinline__ bool whole_cta() const { return threads == (int)blockDim.x; }
+  __device__ __forceinline__ bool leads() const { return (int)threadIdx.x == first_thread; }
+  __device__ __forceinline__ void sync() const {
+    if (whole_cta())
+      __syncthreads();
+    else
+      g::named_barrier_sync(barrier, threads);
+  }
+};
+constexpr int kHelperBarrier = 4;  // 1 and 2: consumer warpgroups; 3: the slot sum
+constexpr int kHelperFirstThread = 32;  // warps 1-3 of the producer warpgroup (thread 0 produces)
+constexpr int kHelperThreads = 96;
+
+// A crew serving a pull queue: every CTA the first-pull queue when it starts, the comm CTAs then
+// the pull queue, and with pull helpers the idle warps of every compute CTA the pull queue too.
+// The crew's first thread takes the next item and waits for its slot; the crew's warps copy the
+// item's rows; the first thread releases the block's counter. A whole CTA copies with TMA bulk
+// copies through its stage area (a compute CTA has no tile in flight before its first), helpers
+// through registers (the GEMM owns the stage area). A crew takes no item at or past `limit`
+// (the queue's end by default).
 __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Plan& plan, CtaShared& sh,
                                                  const int32_t* offs, uint8_t* stage_area, int queue,
-                                                 int limit = INT32_MAX) {
+                                                 const Crew& crew, int limit = INT32_MAX) {
   const Deadline d = deadline_of(p);
   const int items = queue_items(plan, queue);
   const bool bounded = limit < items;
   const int total = bounded ? limit : items;
   int32_t* next = &p.counters[queue == kPullQueue ? kPullNext : kFirstPullNext];
-  const int warp = threadIdx.x / 32, warps = blockDim.x / 32, lane = threadIdx.x % 32;
+  const int t = (int)threadIdx.x - crew.first_thread;
+  const int warp = t / 32, warps = crew.threads / 32, lane = t % 32;
   int64_t record = -1;
-  CopyPipe pipe{stage_area + warp * kCopyWarpBytes, &sh.copy_bars[warp * kCopyStages], 0};
-  CopyPipe* bulk = p.bulk_copies ? &pipe : nullptr;
-  if (bulk != nullptr && threadIdx.x == 0) {
-    for (int b = 0; b < kCopyWarps * kCopyStages; ++b) g::mbar_init(&sh.copy_bars[b], 1);
-    g::mbar_fence_init();
-  }
-  __syncthreads();
-  for (;;) {
+  const bool use_bulk = p.bulk_copies && crew.whole_cta() && stage_area != nullptr;
+  CopyPipe pipe{use_bulk ? stage_area + warp * kCopyWarpBytes : nullptr, &sh.copy_bars[warp * kCopyStages], 0};
+  CopyPipe* bulk = use_bulk ? &pipe : nullptr;
+  if (bulk != nullptr) {
     if (threadIdx.x == 0) {
+      for (int b = 0; b < kCopyWarps * kCopyStages; ++b) g::mbar_init(&sh.copy_bars[b], 1);
+      g::mbar_fence_init();
+    }
+    __syncthreads();
+  }
+  for (;;) {
+    if (crew.leads()) {
       Item it;
       it.kind = kEnd;
       const int i = bounded ? take_below(next, total) : atomicAdd(next, 1);
@@ -149,10 +176,10 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
           p.trace.item(record, it.kind, it.block, it.col);
         }
       }
-      sh.comm_item = it;
+      *crew.item = it;
     }
-    __syncthreads();  // bar.sync also extends thread 0's acquire to the CTA's other threads
-    const Item it = sh.comm_item;
+    crew.sync();  // bar.sync also extends the first thread's acquire to the crew's other threads
+    const Item it = *crew.item;
     if (it.kind == kEnd) break;
     const int slot = it.block % plan.slots;
     constexpr int kPartRows = kBlockRows / kFirstPullParts;
@@ -161,13 +188,20 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
         layout_block_of(offs, expert_of_row(offs, p.L, it.block * kBlockRows), it.block, p.block_order);
     pull_rows(p.rows, rows_block, range, slot, warp, warps, lane, bulk);
     fence_proxy_async_global();  // fc1 reads these rows with TMA
-    __syncthreads();  // every row of the block written
-    if (threadIdx.x == 0) {
+    crew.sync();  // every row of the block written; every thread has read *crew.item
+    if (crew.leads()) {
       red_release_gpu_add(p.counters + counter_index(signal_counter(it.kind), slot, plan.slots),
                           signal_amount(it.kind));
       p.trace.stamp(record, kTrDone);
     }
   }
+}
+
+// The pull queue, served by warps 1-3 of a compute CTA's producer warpgroup (idle otherwise:
+// thread 0 issues the TMA loads) next to the comm CTAs. Not inlined (see serve_first_pulls).
+__device__ __noinline__ void help_pulls(const KernelParams& p, const Plan& plan, CtaShared& sh, const int32_t* offs) {
+  const Crew crew{kHelperFirstThread, kHelperThreads, kHelperBarrier, &sh.helper_item};
+  serve_comm_queue(p, plan, sh, offs, nullptr, kPullQueue, crew);
 }
 
 // The first-pull queue, served by every CTA when it starts: a compute CTA takes parts of the
@@ -176,7 +210,8 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
 // (168 registers, the launch bound).
 __device__ __noinline__ void serve_first_pulls(const KernelParams& p, const Plan& plan, CtaShared& sh,
                                                const int32_t* offs, uint8_t* stage_area, bool compute_cta) {
-  serve_comm_queue(p, plan, sh, offs, stage_area, kFirstPullQueue,
+  const Crew crew{0, (int)blockDim.x, 0, &sh.comm_item};
+  serve_comm_queue(p, plan, sh, offs, stage_area, kFirstPullQueue, crew,
                    compute_cta ? first_pull_items_for_compute(plan) : INT32_MAX);
 }
 
@@ -219,7 +254,7 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
   const bool comm_cta = sh.ticket < p.comm_ctas;
   serve_first_pulls(p, plan, sh, ring1.table0, ring1.a(0), !comm_cta);
   if (comm_cta) {
-    serve_comm_queue(p, plan, sh, ring1.table0, ring1.a(0), kPullQueue);
+    serve_comm_queue(p, plan, sh, ring1.table0, ring1.a(0), kPullQueue, Crew{0, (int)blockDim.x, 0, &sh.comm_item});
     if (threadIdx.x == 0) p.trace.stamp(cta_record, kTrReady);
     // No rows routed to this rank: no fc2 tile will complete the count of deliveries. (Every
     // pull happens-before the fc2 tiles of its block through the counters, so the flags also
@@ -244,6 +279,8 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     if (wg == 0) {
       if (threadIdx.x == 0)
         produce_tiles(p.ops, plan, cx, ring1.table0, ring1.table1, ring1, ring2, sh.records, link, p.block_order);
+      else if (p.pull_helpers && !comm_cta && threadIdx.x >= kHelperFirstThread)
+        help_pulls(p, plan, sh, ring1.table0);
     } else {
       const int halves = consume_tiles(p.ops, plan, cx, ring1, ring2, sh.records, wg - 1);
       const DeliveryArgs da{p.counters, p.status, p.signal_bases, sh.epoch, p.P, p.rank, fc2_arrivals(plan)};
@@ -287,7 +324,8 @@ bool bulk_copies_enabled() {
 // launches single CTAs / clusters of two whatever MokMegakernelArgs::pairs asks;
 // MOK_MEGAKERNEL_BLOCK_ORDER=0 / 1 hands out every expert's blocks in layout / zigzag order
 // (block_order_for);
-// MOK_MEGAKERNEL_COMM_JOINS=0 keeps the comm CTAs off the compute queue.
+// MOK_MEGAKERNEL_COMM_JOINS=0 keeps the comm CTAs off the compute queue;
+// MOK_MEGAKERNEL_PULL_HELPERS=0 leaves the pull queue to the comm CTAs alone.
 bool env_flag(const char* name, bool fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == 0) return fallback;
@@ -560,6 +598,7 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.bulk_copies = bulk_copies_enabled() ? 1 : 0;
   p.block_order = block_order_for();
   p.comm_joins = env_flag("MOK_MEGAKERNEL_COMM_JOINS", true) ? 1 : 0;
+  p.pull_helpers = env_flag("MOK_MEGAKERNEL_PULL_HELPERS", true) ? 1 : 0;
   const bool want_pairs = env_flag("MOK_MEGAKERNEL_PAIRS", a.pairs != 0);
 
   int64_t grid = 0;

@@ -5,6 +5,7 @@
 #include "mok/cuda_check.cuh"
 #include "mok/prologue.h"
 #include "mok/schedule.h"
+#include "mok/vec_copy.cuh"
 
 namespace {
 
@@ -21,15 +22,7 @@ __global__ void publish_kernel(const uint4* __restrict__ x, uint4* __restrict__ 
                                int32_t T) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  int64_t i = first;
-  for (; i + (kVecsInFlight - 1) * stride < x_vecs; i += kVecsInFlight * stride) {
-    uint4 v[kVecsInFlight];
-#pragma unroll
-    for (int j = 0; j < kVecsInFlight; ++j) v[j] = x[i + j * stride];
-#pragma unroll
-    for (int j = 0; j < kVecsInFlight; ++j) x_out[i + j * stride] = v[j];
-  }
-  for (; i < x_vecs; i += stride) x_out[i] = x[i];
+  mok::copy_vecs_strided<kVecsInFlight>(x, x_out, x_vecs, first, stride);
   for (int64_t r = first; r < routes; r += stride) {
     ids_out[r] = ids[r];
     weights_out[r] = weights[r];
