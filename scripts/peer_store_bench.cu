@@ -15,14 +15,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(call)                                                                           \
-  do {                                                                                        \
-    cudaError_t err_ = (call);                                                                \
-    if (err_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "bench_check.cuh"
 
 constexpr int kSegmentBytes = 512;  // one output row's share of a 256-column bf16 tile
 constexpr int kRowBytes = 14336;    // H = 7168 bf16: the distance between destination rows

@@ -2,15 +2,18 @@
 //
 // In the megakernel the sum reads T x K bf16 slot rows (4096 x 8 x 7168: 470 MB) and writes T
 // rows (59 MB) in ~0.17 ms, ~2.8 TB/s of reads, where a copy reaches ~4.3. This program runs the
-// product's combine_and_sum alone (one CTA of 384 threads per SM, as in the megakernel, the
+// launch's own combine_and_sum alone (one CTA of 384 threads per SM, as in the megakernel, the
 // combine-done flag already raised) and, on the same bytes, variants that change one thing each:
 //   read     every thread streams its share of the slots, 16 loads in flight, no sum: the ceiling
-//   chunkN   the product's loop with N tokens per grab
-//   pairsN   N (token, vector) pairs per thread in flight (the product: 2)
-//   l2hint   the product's loop with ld.global.nc.L1::no_allocate.L2::256B loads
-//   tokmaj   each warp sums whole rows of one token (vectors by lane), no CTA barrier per chunk
+//   chunkN   the sum as it was until the seventeenth session: a CTA takes N tokens per grab
+//            (CTA barriers around each grab), each thread 2 (token, vector) pairs in flight
+//   pairsN   that loop with N pairs per thread in flight
+//   l2hint   that loop with ld.global.nc.L1::no_allocate.L2::256B loads
+//   tokmaj   each warp sums a quarter of one token's row (units from a counter), without ids:
+//            what the launch's sum does since the seventeenth session, less its ids mask
 // Each variant is timed 20 times with the L2 flushed before every run (the sum reads rows that
-// were written long before, except the last few MB); median in us and GB/s of slot reads.
+// were written long before, except the last few MB); median in us and GB/s of slot reads, and
+// whether its y is bitwise the launch's.
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc/include
 //        scripts/slot_sum_bench.cu -o slot_sum_bench
@@ -26,14 +29,7 @@
 
 #include "mok/megakernel/slot_sum.cuh"
 
-#define CHECK(call)                                                                                \
-  do {                                                                                             \
-    cudaError_t err_ = (call);                                                                     \
-    if (err_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                                \
-    }                                                                                              \
-  } while (0)
+#include "bench_check.cuh"
 
 using mok::mega::kSumThreads;
 
@@ -51,13 +47,34 @@ struct Buffers {
   size_t flush_bytes;
 };
 
+// acc[c] += the c-th of the 8 bf16 values in r (fp32), as the launch's sum adds a slot.
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& r) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&r);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const float2 f = __bfloat1622float2(p[c]);
+    acc[2 * c] += f.x;
+    acc[2 * c + 1] += f.y;
+  }
+}
+
+// The 8 sums rounded to bf16, as one 16-byte vector.
+__device__ __forceinline__ uint4 bf16x8_of(const float (&acc)[8]) {
+  uint4 out;
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) o[c] = __floats2bfloat162_rn(acc[2 * c], acc[2 * c + 1]);
+  return out;
+}
+
 __global__ void product_sum(mok::mega::SumArgs a) {
   __shared__ mok::mega::SumShared sh;
   mok::mega::combine_and_sum(a, sh, threadIdx.x);
 }
 
-// The product's loop without the flag wait and the ids mask (every slot valid here), with the
-// grab size, the pairs in flight and the load instruction as parameters.
+// The sum's loop until the seventeenth session, without the flag wait and the ids mask (every
+// slot valid here), with the grab size, the pairs in flight and the load instruction as
+// parameters.
 template <int kChunk, int kPairs, bool kHint>
 __global__ void variant_sum(const uint4* __restrict__ slots, uint4* __restrict__ y, int32_t* next_token) {
   __shared__ int t0_shared;
@@ -99,24 +116,11 @@ __global__ void variant_sum(const uint4* __restrict__ slots, uint4* __restrict__
 #pragma unroll
       for (int h = 0; h < kPairs; ++h)
 #pragma unroll
-        for (int j = 0; j < kK; ++j) {
-          const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&r[h][j]);
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const float2 f = __bfloat1622float2(p[c]);
-            acc[h][2 * c] += f.x;
-            acc[h][2 * c + 1] += f.y;
-          }
-        }
+        for (int j = 0; j < kK; ++j) add_bf16x8(acc[h], r[h][j]);
 #pragma unroll
       for (int h = 0; h < kPairs; ++h) {
-        if (q0 + h * kSumThreads >= pairs) continue;
-        uint4 out;
-        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) o[c] = __floats2bfloat162_rn(acc[h][2 * c], acc[h][2 * c + 1]);
         const int q = q0 + h * kSumThreads;
-        y[(int64_t)(t0 + q / kVecs) * kVecs + q % kVecs] = out;
+        if (q < pairs) y[(int64_t)(t0 + q / kVecs) * kVecs + q % kVecs] = bf16x8_of(acc[h]);
       }
     }
   }
@@ -146,20 +150,8 @@ __global__ void token_major_sum(const uint4* __restrict__ slots, uint4* __restri
         if (h == 1 && !second) continue;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < kK; ++j) {
-          const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&r[h][j]);
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const float2 f = __bfloat1622float2(p[c]);
-            acc[2 * c] += f.x;
-            acc[2 * c + 1] += f.y;
-          }
-        }
-        uint4 out;
-        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) o[c] = __floats2bfloat162_rn(acc[2 * c], acc[2 * c + 1]);
-        y[(int64_t)tok * kVecs + v + 32 * h] = out;
+        for (int j = 0; j < kK; ++j) add_bf16x8(acc, r[h][j]);
+        y[(int64_t)tok * kVecs + v + 32 * h] = bf16x8_of(acc);
       }
     }
   }

@@ -729,6 +729,9 @@ SWEEP_P1 = [
     (7, [513], 1024, 256, 192, 8, "uniform", MoKConfig()),
     (8, [640], 1024, 512, 8, 3, "unused", SMALL_RING),
     (9, [2048], 7168, 2048, 6, 8, "duplicates", MoKConfig(comm_sms_forward=16)),
+    # Top-k above 32 (the slot sum's mask takes two words) with unused slots, and rows of 64
+    # vectors (a quarter row is 16: half the lanes of a summing warp idle).
+    (10, [300], 512, 256, 48, 40, "unused", SMALL_RING),
 ]
 
 

@@ -150,11 +150,13 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
   const bool use_bulk = p.bulk_copies && crew.whole_cta() && stage_area != nullptr;
   CopyPipe pipe{use_bulk ? stage_area + warp * kCopyWarpBytes : nullptr, &sh.copy_bars[warp * kCopyStages], 0};
   CopyPipe* bulk = use_bulk ? &pipe : nullptr;
-  if (bulk != nullptr) {
-    if (threadIdx.x == 0) {
+  if (crew.whole_cta()) {
+    if (bulk != nullptr && threadIdx.x == 0) {
       for (int b = 0; b < kCopyWarps * kCopyStages; ++b) g::mbar_init(&sh.copy_bars[b], 1);
       g::mbar_fence_init();
     }
+    // Also: every thread has read the item that ended this CTA's previous queue (a comm CTA
+    // serves two in turn through sh.comm_item) before the first thread writes the next.
     __syncthreads();
   }
   for (;;) {

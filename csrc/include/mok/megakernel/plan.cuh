@@ -64,7 +64,7 @@ enum HeaderWord : int32_t {
   kPullNext = 3,      // pull queue position
   kFc2Delivered = 4,  // fc2 tile halves (one per consumer warpgroup) whose output rows have
                       // reached their home ranks (counted by each CTA at its end, tiles.cuh)
-  kSumNext = 5,       // slot-sum queue position (tokens)
+  kSumNext = 5,       // slot-sum queue position (units: a quarter of a token's row)
   kRoleTicket = 6,    // CTAs started: the first comm_ctas become comm CTAs
   kFirstPullNext = 7, // first-pull queue position
   kHeaderWords = 8,

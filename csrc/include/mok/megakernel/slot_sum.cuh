@@ -2,8 +2,9 @@
 // fixed-order sum over the top-k slots of this rank's tokens,
 //   y[t] = sum_{j = 0 .. K-1, 0 <= ids[t, j] < E} slots[t, j]   (fp32, j ascending, bf16 out),
 // or NaN everywhere when the status word holds any flag (a failed exchange never yields
-// plausible numbers). Tokens are handed out kSumChunk at a time by an atomic counter, so CTAs
-// that reach this point early take more of them.
+// plausible numbers). Each warp takes units of a quarter of a token's row from an atomic
+// counter (no CTA-wide barrier after the flag wait), so warps that reach this point early take
+// more of them.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -21,10 +22,11 @@ namespace mok {
 namespace mega {
 
 constexpr int kSumThreads = 384;  // every thread of every CTA
+constexpr int kSumWarps = kSumThreads / 32;
 constexpr int kSumBarrier = 3;    // named barrier id (1 and 2 belong to the consumer warpgroups)
-constexpr int kSumChunk = 8;    // tokens per grab
-constexpr int kSumUnroll = 8;   // slot loads in flight per (token, vector)
-constexpr int kSumMaxK = 1024;  // the launch's bound on top-k (check_args)
+constexpr int kSumParts = 4;      // units per token: a warp sums a quarter of the token's row
+constexpr int kSumUnroll = 8;     // slot loads in flight per (token, vector)
+constexpr int kSumMaxK = 1024;    // the launch's bound on top-k (check_args)
 constexpr int kSumMaskWords = kSumMaxK / 32;
 
 struct SumArgs {
@@ -41,12 +43,67 @@ struct SumArgs {
 };
 
 struct SumShared {
-  int32_t next;
   int32_t failed;
-  // The chunk's slots that hold a row: bit j of valid[i][j / 32] for token t0 + i, slot j (an
-  // id in [0, E)). Read once per chunk, so a slot load does not wait for its id's load.
-  uint32_t valid[kSumChunk][kSumMaskWords];
+  // Per warp, the slots of its current token that hold a row: bit j % 32 of valid[warp][j / 32]
+  // (an id in [0, E)).
+  uint32_t valid[kSumWarps][kSumMaskWords];
 };
+
+// Vectors [v0, v1) of token t's output row, by one warp: lane l takes vectors v0 + l, v0 + l + 32,
+// ... two at a time, with up to kSumUnroll slot loads in flight for each. `valid` holds the
+// token's used slots (bit j % 32 of valid[j / 32]).
+__device__ __forceinline__ void sum_unit(const SumArgs& a, const uint32_t* valid, int t, int v0, int v1, bool failed,
+                                         int lane) {
+  const uint4* tok_slots = a.slots + (int64_t)t * a.K * a.vecs;
+  const float nan = __int_as_float(0x7fc00000);
+  for (int v = v0 + lane; v < v1; v += 64) {
+    const bool second = v + 32 < v1;
+    float acc[2][8];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[h][c] = 0.f;
+    for (int j0 = 0; j0 < a.K; j0 += kSumUnroll) {
+      static_assert(32 % kSumUnroll == 0, "a group of slots lies in one mask word");
+      const uint32_t used = valid[j0 >> 5] >> (j0 & 31);  // bit u: slot j0 + u (past K: 0)
+      uint4 r[2][kSumUnroll];
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u)
+        if ((used >> u) & 1u) {
+          r[0][u] = __ldcg(tok_slots + (int64_t)(j0 + u) * a.vecs + v);
+          if (second) r[1][u] = __ldcg(tok_slots + (int64_t)(j0 + u) * a.vecs + v + 32);
+        }
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {  // j ascending: the order of mok_sum_slots
+          if (((used >> u) & 1u) == 0 || (h == 1 && !second)) continue;
+          const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&r[h][u]);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const float2 f = __bfloat1622float2(p[c]);
+            acc[h][2 * c] += f.x;
+            acc[h][2 * c + 1] += f.y;
+          }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (h == 1 && !second) continue;
+      uint4 out;
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        o[c] = failed ? __floats2bfloat162_rn(nan, nan) : __floats2bfloat162_rn(acc[h][2 * c], acc[h][2 * c + 1]);
+      a.y[(int64_t)t * a.vecs + v + 32 * h] = out;
+    }
+  }
+}
+
+// The id of slot `lane` of the unit's token (-1 past K or past the last unit).
+__device__ __forceinline__ int64_t first_slot_id(const SumArgs& a, int unit, int lane) {
+  return unit < a.T * kSumParts && lane < a.K ? a.ids[(int64_t)(unit / kSumParts) * a.K + lane] : -1;
+}
 
 // Called by all kSumThreads threads of a CTA (tid = threadIdx.x).
 __device__ __forceinline__ void combine_and_sum(const SumArgs& a, SumShared& sh, int tid) {
@@ -59,81 +116,36 @@ __device__ __forceinline__ void combine_and_sum(const SumArgs& a, SumShared& sh,
     sh.failed = ld_volatile(&a.deadline.status[MOK_STATUS_FLAGS]) != 0;
     a.trace.stamp(a.trace_record, kTrStart);
   }
-  gemm::named_barrier_sync(kSumBarrier, kSumThreads);
+  gemm::named_barrier_sync(kSumBarrier, kSumThreads);  // extends thread 0's acquire to the CTA
   const bool failed = sh.failed != 0;
-  const float nan = __int_as_float(0x7fc00000);
-  for (;;) {
-    if (tid == 0) sh.next = atomicAdd(&a.counters[kSumNext], kSumChunk);
-    gemm::named_barrier_sync(kSumBarrier, kSumThreads);
-    const int t0 = sh.next;
-    if (t0 >= a.T) return;  // every thread read the same t0
-    const int t1 = t0 + kSumChunk < a.T ? t0 + kSumChunk : a.T;
-    const int words = (a.K + 31) / 32;
-    for (int w = tid; w < (t1 - t0) * words; w += kSumThreads) {
-      const int i = w / words, j0 = (w % words) * 32;
-      const int j1 = j0 + 32 < a.K ? j0 + 32 : a.K;
-      const int64_t* ids = a.ids + (int64_t)(t0 + i) * a.K;
-      uint32_t bits = 0;
-      for (int j = j0; j < j1; ++j) {
-        const int64_t e = ids[j];
-        bits |= (e >= 0 && e < a.E ? 1u : 0u) << (j - j0);
-      }
-      sh.valid[i][w % words] = bits;
+  const int warp = tid / 32, lane = tid % 32;
+  const int units = a.T * kSumParts;
+  const int words = (a.K + 31) / 32;
+  uint32_t* valid = sh.valid[warp];
+  // A warp works on unit `cur` while the atomic that takes the unit after `next` and the ids of
+  // `next`'s token are in flight, so neither round trip stalls its slot loads.
+  int cur = __shfl_sync(~0u, lane == 0 ? atomicAdd(&a.counters[kSumNext], 1) : 0, 0);
+  int next = __shfl_sync(~0u, lane == 0 ? atomicAdd(&a.counters[kSumNext], 1) : 0, 0);
+  int64_t cur_id = first_slot_id(a, cur, lane);
+  while (cur < units) {
+    int after = 0;
+    if (lane == 0) after = atomicAdd(&a.counters[kSumNext], 1);
+    const int64_t next_id = first_slot_id(a, next, lane);
+    const int t = cur / kSumParts, part = cur % kSumParts;
+    __syncwarp();  // every lane has read the previous unit's mask
+    const uint32_t bits = __ballot_sync(~0u, cur_id >= 0 && cur_id < a.E);
+    if (lane == 0) valid[0] = bits;
+    for (int w = 1; w < words; ++w) {  // top-k above 32: the other ids now
+      const int j = w * 32 + lane;
+      const int64_t e = j < a.K ? a.ids[(int64_t)t * a.K + j] : -1;
+      const uint32_t more = __ballot_sync(~0u, e >= 0 && e < a.E);
+      if (lane == 0) valid[w] = more;
     }
-    gemm::named_barrier_sync(kSumBarrier, kSumThreads);  // all have read sh.next; valid is set
-    // The chunk's (token, vector) pairs, two per thread at a time, each with up to
-    // kSumUnroll slot loads in flight: the sum reads K rows per token and must stream at
-    // HBM speed (latency-bound otherwise).
-    const int pairs = (t1 - t0) * a.vecs;
-    for (int q0 = tid; q0 < pairs; q0 += 2 * kSumThreads) {
-      float acc[2][8];
-      int64_t tok[2];
-      int vec[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int q = q0 + h * kSumThreads;
-        tok[h] = t0 + (q < pairs ? q / a.vecs : 0);
-        vec[h] = q < pairs ? q % a.vecs : 0;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) acc[h][c] = 0.f;
-      }
-      for (int j0 = 0; j0 < a.K; j0 += kSumUnroll) {
-        uint4 r[2][kSumUnroll];
-        bool ok[2][kSumUnroll];
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int u = 0; u < kSumUnroll; ++u) {
-            const int j = j0 + u;
-            ok[h][u] = j < a.K && q0 + h * kSumThreads < pairs &&
-                       ((sh.valid[tok[h] - t0][j >> 5] >> (j & 31)) & 1u) != 0;
-            if (ok[h][u]) r[h][u] = __ldcg(a.slots + (tok[h] * a.K + j) * a.vecs + vec[h]);
-          }
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int u = 0; u < kSumUnroll; ++u) {  // j ascending: the order of mok_sum_slots
-            if (!ok[h][u]) continue;
-            const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&r[h][u]);
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              const float2 f = __bfloat1622float2(p[c]);
-              acc[h][2 * c] += f.x;
-              acc[h][2 * c + 1] += f.y;
-            }
-          }
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (q0 + h * kSumThreads >= pairs) continue;
-        uint4 out;
-        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          o[c] = failed ? __floats2bfloat162_rn(nan, nan) : __floats2bfloat162_rn(acc[h][2 * c], acc[h][2 * c + 1]);
-        a.y[tok[h] * a.vecs + vec[h]] = out;
-      }
-    }
+    __syncwarp();
+    sum_unit(a, valid, t, part * a.vecs / kSumParts, (part + 1) * a.vecs / kSumParts, failed, lane);
+    cur = next;
+    cur_id = next_id;
+    next = __shfl_sync(~0u, after, 0);
   }
 }
 
