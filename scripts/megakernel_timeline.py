@@ -135,11 +135,30 @@ def tile_boundaries(items, pairs: bool) -> List[str]:
     return out
 
 
+def block_experts(counts: np.ndarray) -> np.ndarray:
+    """The local expert of each block in queue order (int [n_blocks]): queue positions keep the
+    experts' segments, from the rank's rows per local expert (int [L])."""
+    return np.repeat(np.arange(len(counts)), (np.asarray(counts) + 127) // 128)
+
+
+def pair_shares_weights(experts: np.ndarray, mb_blocks: int) -> np.ndarray:
+    """Per block in queue order: whether its pair tile's two blocks (first + 2j, first + 2j + 1
+    of its minibatch, plan.cuh) are one expert's, so the weight tile is multicast."""
+    b = np.arange(len(experts))
+    first = b // mb_blocks * mb_blocks
+    partner = first + ((b - first) ^ 1)
+    ok = partner < len(experts)
+    shared = np.zeros(len(experts), dtype=bool)
+    shared[ok] = experts[b[ok]] == experts[partner[ok]]
+    return shared
+
+
 def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_rows=None,
-              pairs: bool = False, remote_rows=None) -> List[str]:
+              pairs: bool = False, remote_rows=None, experts=None) -> List[str]:
     """The timeline summary as lines of text (real_rows: per block, splits the tile times into
     blocks with more than 64 real rows and blocks with at most 64; remote_rows: per block, the
-    real rows whose home is another rank, splits them by that share)."""
+    real rows whose home is another rank, splits them by that share; experts: per block, the
+    local expert, splits pair tiles into those sharing the weight tile and those that do not)."""
     out = [f"-- {label}"]
     span = ctas["end"].max()
     kinds = items["kind"]
@@ -168,6 +187,13 @@ def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_row
                 if part.any():
                     out.append(f"      blocks with {what}: n={int(part.sum())} run median "
                                f"{np.median(run[part]) * 1e3:.1f} us, CTA-time {run[part].sum():.1f} ms")
+        if pairs and experts is not None and k in flop:
+            shared = pair_shares_weights(experts, mb_rows // 128)[items["block"][sel]]
+            for what, part in (("one expert (weights shared)", shared), ("two experts (weights not shared)", ~shared)):
+                if part.any():
+                    out.append(f"      pair tiles of {what}: n={int(part.sum())} run median "
+                               f"{np.median(run[part]) * 1e3:.1f} us (p90 {np.percentile(run[part], 90) * 1e3:.1f}), "
+                               f"CTA-time {run[part].sum():.1f} ms")
         if remote_rows is not None and real_rows is not None and k in flop:
             blk = items["block"][sel]
             share = remote_rows[blk] / np.maximum(real_rows[blk], 1)
@@ -535,7 +561,8 @@ def main() -> None:
         order = np.array(mk_ops.layout_blocks(counts.tolist()), dtype=np.int64)
         lines = summarize(items, ctas, H=H, I=I, mb_rows=tr["minibatch_rows"], label=label,
                           real_rows=block_real_rows(counts, n_blocks)[order], pairs=pairs,
-                          remote_rows=block_remote_rows(counts_by_source, rank, n_blocks)[order] if P > 1 else None)
+                          remote_rows=block_remote_rows(counts_by_source, rank, n_blocks)[order] if P > 1 else None,
+                          experts=block_experts(counts))
         if not args.milestones:
             lines = [line for line in lines if not line.startswith("  mb ") and "minibatches of" not in line]
         if distributed:

@@ -255,6 +255,8 @@ int main() {
   a.vecs = kVecs;
   a.trace = mok::mega::Trace{nullptr, 0};
   a.trace_record = -1;
+  a.early = mok::mega::kNoEarlySum;  // the final sum alone, every token
+  a.L = kE;
 
   std::printf("slot sum, T %d K %d H %d: %.1f MB of slots, %d CTAs x %d threads\n", kT, kK, kH, slot_bytes / 1e6, grid,
               kSumThreads);

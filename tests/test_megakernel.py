@@ -172,7 +172,7 @@ def test_args_struct_matches_the_header(use_lib):
     assert names == [f[0] for f in mk.MegakernelArgs._fields_]
     _, fns = mk._lib()
     assert fns["args_bytes"]() == ctypes.sizeof(mk.MegakernelArgs) == 8 * len(names)
-    assert mk.counter_words(8192) == 8 + 3 * 64
+    assert mk.counter_words(8192) == 10 + 3 * 64  # header words (plan.cuh), three counters per slot
 
 
 def _valid_args(**over):
@@ -271,6 +271,29 @@ def test_pair_plan_covers_every_tile_once_in_pairs_of_one_minibatch(use_lib, n_b
     groups = [mb0[g:g + 4] for g in range(0, len(mb0), 4)]
     assert [(b, c) for k, b, c, *_ in firsts if k == "fc1" and b < mb] == [
         (b, c) for grp in groups for c in range(n1) for b in grp]
+
+
+@pytest.mark.parametrize("pairs", [False, True], ids=["single", "pairs"])
+@pytest.mark.parametrize("late", [1, 2, 3])
+@pytest.mark.parametrize("n_blocks,mb", [(0, 4), (1, 1), (5, 2), (16, 4), (17, 4), (9, 3), (3, 8), (40, 16), (37, 16)])
+def test_early_position_comes_after_every_early_fc2_tile(use_lib, n_blocks, mb, late, pairs):
+    """What the early slot sum relies on (push.cuh, report_early): in queue order every fc2 tile
+    of an early block (before the last `late` minibatches) lies before early_position and every
+    other tile at or past it holds no early fc2 work, so a consumer warpgroup that reaches that
+    position has counted all of its early halves; early_arrivals counts exactly those halves."""
+    n1, n2 = 3, 2
+    first_late, position, arrivals = mk.early_plan(n_blocks, mb, n1, n2, pairs, late)
+    n_mb = -(-n_blocks // mb)
+    assert first_late == max(n_mb - late, 0) * mb
+    assert arrivals == first_late * n2 * 2
+    items = _queue("compute", n_blocks, mb, 2 * mb, n1, n2, pairs) if n_blocks else []
+    assert 0 <= position <= len(items)
+    early_fc2 = [i for i, (kind, block, *_) in enumerate(items) if kind == "fc2" and block < first_late]
+    assert all(i < position for i in early_fc2)
+    # Nothing before the position is late fc2 work (so the halves counted there are all early),
+    # and the position is the first after the last early fc2 tile (no later report than needed).
+    assert all(not (kind == "fc2" and block >= first_late) for kind, block, *_ in items[:position])
+    assert position == (early_fc2[-1] + 1 if early_fc2 else 0)
 
 
 @pytest.mark.parametrize("n_blocks,mb", [(1, 1), (5, 2), (16, 4), (17, 4), (9, 3), (3, 8)])
@@ -500,7 +523,7 @@ def _op_args(R=512, L=4, H=1024, I=512, T=6, K=2, P=2, words=None):
         slots_offset=0, table=z(100, 2, dtype=torch.int32), offsets=z(L + 1, dtype=torch.int32),
         counts=z(L, dtype=torch.int32), topk_ids=z(T, K, dtype=torch.int64), fc1_weight=z(L, 2 * I, H),
         fc2_weight=z(L, H, I), ring_x=z(R, H), ring_h=z(R, I), ring_w=z(R, dtype=torch.float32),
-        counters=z(words if words is not None else 8 + 3 * (R // 128), dtype=torch.int32),
+        counters=z(words if words is not None else mk.counter_words(R), dtype=torch.int32),
         epoch_counter=z(1, dtype=torch.int64), status=z(8, dtype=torch.int32), rank=0, minibatch_rows=256,
         comm_ctas=2, num_ctas=0, timeout_ns=10 ** 9, trace=None, save_x=None, save_w=None, save_gu=None,
         fc1_weight2=None, fc2_weight2=None)
@@ -520,7 +543,7 @@ def test_fake_impl_gives_the_output_shape():
     (dict(ring_x=torch.zeros(640, 1024, dtype=torch.bfloat16), ring_h=torch.zeros(640, 512, dtype=torch.bfloat16),
           ring_w=torch.zeros(640)), r"ring_rows = 640 must be a multiple of minibatch_rows = 256"),
     (dict(minibatch_rows=100), r"minibatch_rows = 100 must be a positive multiple of 128"),
-    (dict(counters=torch.zeros(7, dtype=torch.int32)), r"counters must have 20 elements"),
+    (dict(counters=torch.zeros(7, dtype=torch.int32)), r"counters must have 22 elements"),
     (dict(comm_ctas=1), r"comm_ctas = 1 must be at least 2"),
     (dict(num_ctas=2), r"num_ctas = 2 must be 0 \(every SM\) or above comm_ctas = 2"),
     (dict(rank=2), r"rank = 2 is outside \[0, P = 2\)"),
@@ -842,6 +865,60 @@ def test_megakernel_virtual_ranks_match_oracle(spec):
     _assert_equal_runs(first, second, f"two runs of {spec[:7]}")
 
 
+def _every_ring():
+    from megatron_mok.functional.workspace import _every_workspace
+
+    return [ring for ws in list(_every_workspace) for ring in mkb._rings.get(ws, {}).values()]
+
+
+def _early_units_taken():
+    """The largest count of units the early slot sum took in a launch since
+    _forget_early_units (each launch resets its ring's counters first)."""
+    return max(int(ring.counters[mk.EARLY_NEXT_WORD]) for ring in _every_ring())
+
+
+def _forget_early_units():
+    for ring in _every_ring():
+        ring.counters[mk.EARLY_NEXT_WORD] = -1
+
+
+EARLY_CASES = [(141, [3000], 2048, 1024, 12, 8, "zipf", SMALL_RING),
+               (142, [2500, 1700], 1024, 512, 6, 4, "uniform", MoKConfig(minibatch_rows=256, ring_rows=512)),
+               (143, [640], 1024, 512, 8, 3, "unused", SMALL_RING)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", EARLY_CASES, ids=lambda s: f"P{len(s[1])}-L{s[4]}-k{s[5]}-{s[6]}")
+def test_megakernel_early_sum_matches_the_final_sum(spec, monkeypatch):
+    """The early slot sum (tokens whose rows are all home before the last minibatch's) made to
+    take every unit it may (MOK_MEGAKERNEL_EARLY_SUM=2), waiting out the last two or the last
+    minibatch, with NaN in every slot and ring row before the call: the oracle's numbers and the
+    default launch's bits; and it did take units. Then the early sum off: the same bits."""
+    from .gpu_cases import gpu_case
+
+    seed, tokens, H, I, L, K, routing, config = spec
+    case = gpu_case(seed, tokens, H, I, L, K, routing)
+    group = LocalEPGroup(len(tokens)) if len(tokens) > 1 else None
+    config = MoKConfig(max_tokens_per_rank=max(tokens), timeout_s=20.0, minibatch_rows=config.minibatch_rows,
+                       ring_rows=config.ring_rows)
+    ranks, streams = (group.ranks, group.streams) if group else ([None], None)
+    default = _run(case, ranks, config, streams)
+    results = {}
+    for mode, late in (("2", "2"), ("2", "1"), ("0", "2")):
+        monkeypatch.setenv("MOK_MEGAKERNEL_EARLY_SUM", mode)
+        monkeypatch.setenv("MOK_MEGAKERNEL_LATE_MINIBATCHES", late)
+        _poison_workspaces_and_rings()
+        _forget_early_units()
+        results[f"{mode}, {late} late minibatches"] = res = _run(case, ranks, config, streams, backward=False)
+        if mode == "2":
+            assert _early_units_taken() >= max(tokens) * mk.SUM_PARTS, "the early sum took no units"
+            _check_against_oracle(case, res, f"early sum, every unit it may, {late} late: {spec[:7]}",
+                                  with_grads=False)
+    for mode, res in results.items():
+        for r, (got, want) in enumerate(zip(res, default)):
+            assert torch.equal(got[0], want[0]), f"early sum {mode}: rank {r} y differs from the default's"
+
+
 def _all_to_expert_zero(case):
     """Every token of every rank sends its slot 0 to expert 0 (rank 0's first expert)."""
     for ids in case.ids:
@@ -868,11 +945,12 @@ COPIES_ENV = "MOK_MEGAKERNEL_COPIES"
 """Set to "registers", the comm CTAs copy rows through registers instead of TMA bulk copies."""
 SWITCHES_OFF = {"MOK_MEGAKERNEL_HALF_A": "0", "MOK_MEGAKERNEL_FIRST_PULL": "0", "MOK_MEGAKERNEL_PAIRS": "0",
                 "MOK_MEGAKERNEL_BLOCK_ORDER": "0", "MOK_MEGAKERNEL_COMM_JOINS": "0",
-                "MOK_MEGAKERNEL_PULL_HELPERS": "0"}
+                "MOK_MEGAKERNEL_PULL_HELPERS": "0", "MOK_MEGAKERNEL_EARLY_SUM": "0"}
 """The launch's other comparison switches, off: every tile loads all 128 rows of A; no first
 pulls in parts (the comm CTAs pull every block); single CTAs instead of clusters of two sharing
 the weight tiles; every expert's blocks in layout order instead of zigzag; the comm CTAs stay
-off the compute queue; the compute CTAs' idle producer warps do not pull."""
+off the compute queue; the compute CTAs' idle producer warps do not pull; no token is summed
+before the combine-done flags."""
 SETTINGS = [(2, 128, 256), (2, 256, 1024), (4, 512, 1024), (3, 384, 1536), (None, None, None)]
 
 
@@ -922,7 +1000,8 @@ def test_megakernel_is_bitwise_identical_across_settings(virtual, monkeypatch):
     results.append(_run(case, group.ranks if virtual else [None], config, group.streams if virtual else None))
     _check_against_oracle(case, results[0], f"settings {SETTINGS[0]}")
     for setting, res in zip(SETTINGS[1:] + ["register copies",
-                                            "half-A loads, first pulls, pairs, zigzag, comm joining, pull helpers off"],
+                                            "half-A loads, first pulls, pairs, zigzag, comm joining, pull helpers, "
+                                            "early sum off"],
                             results[1:]):
         _assert_equal_runs(results[0], res, f"settings {SETTINGS[0]} vs {setting}")
 

@@ -64,6 +64,8 @@ struct KernelParams {
   int block_order;   // which layout rows a block of the queues stands for (plan.cuh, BlockOrder)
   int comm_joins;    // 1: a comm CTA whose pull queue is empty joins the compute CTAs
   int pull_helpers;  // 1: warps 1-3 of every compute CTA serve the pull queue too (Crew)
+  int early_sum;     // EarlySum: warps with nothing left to do sum tokens whose rows are home early
+  int late_minibatches;  // the last minibatches the early sum waits out (Plan::late_minibatches)
 };
 
 // Shared memory after the stage ring (whose plan is Fc1Cfg::kSmemBytes, alignment included).
@@ -78,6 +80,7 @@ struct CtaShared {
   int32_t ticket;
   int32_t n_blocks;
   int32_t pair_ticket;  // pair mode: the compute-queue position handed to the follower
+  DeliveryArgs delivery;  // in shared memory: kept out of the registers of the GEMM loop
 };
 constexpr int kSmemBytes = Fc1Cfg::kSmemBytes + (int)sizeof(CtaShared);
 static_assert(Fc1Cfg::kSmemBytes % alignof(CtaShared) == 0, "CtaShared alignment");
@@ -125,7 +128,7 @@ struct Crew {
       g::named_barrier_sync(barrier, threads);
   }
 };
-constexpr int kHelperBarrier = 4;  // 1 and 2: consumer warpgroups; 3: the slot sum
+constexpr int kHelperBarrier = 4;  // 1 and 2: consumer warpgroups (3: free)
 constexpr int kHelperFirstThread = 32;  // warps 1-3 of the producer warpgroup (thread 0 produces)
 constexpr int kHelperThreads = 96;
 
@@ -231,6 +234,15 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     if (rank == 0) sh.ticket = atomicAdd(&p.counters[kRoleTicket], p.pairs ? 2 : 1);
     sh.epoch = *reinterpret_cast<const uint64_t*>(p.counters + kEpochLo);  // the reset kernel's
     sh.n_blocks = p.offsets[p.L] / kBlockRows;
+    // The early sum (slot_sum.cuh): this rank's late experts start at the expert of its first
+    // late block (the first of the last late_minibatches minibatches).
+    const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2, p.first_minibatches, p.pairs, p.late_minibatches};
+    const int first_late = first_late_block(plan);
+    const int64_t late_from =
+        (int64_t)p.rank * p.L + (first_late < plan.n_blocks ? expert_of_row(p.offsets, p.L, first_late * kBlockRows) : p.L);
+    sh.delivery = DeliveryArgs{p.counters, p.status,           p.signal_bases,       sh.epoch,
+                               p.P,        p.rank,             fc2_arrivals(plan),   early_arrivals(plan),
+                               early_position(plan) * (p.pairs ? 2 : 1), late_from};
     ring1.init_barriers();
     g::mbar_init(&sh.mail, 1);
     g::mbar_fence_init();
@@ -242,7 +254,7 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     if (threadIdx.x == 0 && rank == 1) sh.ticket = (int32_t)g::ld_shared_cluster_u32(&sh.ticket, 0) + 1;
   }
   __syncthreads();
-  const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2, p.first_minibatches, p.pairs};
+  const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2, p.first_minibatches, p.pairs, p.late_minibatches};
   const int wg = threadIdx.x / 128;
   const int64_t cta_record =
       p.trace.on() ? (int64_t)compute_records(plan) + comm_items(plan) + (int64_t)blockIdx.x : (int64_t)-1;
@@ -251,6 +263,9 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     p.trace.put(cta_record, kTrMeta, kTraceCtaKind | ((sh.ticket < p.comm_ctas ? 1 : 0) << 8));
     p.trace.put(cta_record, kTrCta, blockIdx.x);
   }
+  // No early block (at most late_minibatches minibatches): one CTA raises the early flags now.
+  if (threadIdx.x == 0 && sh.ticket == 0 && sh.delivery.early_total == 0 && !timeout_recorded(p.status))
+    raise_early_delivered(p.signal_bases, p.P, p.rank, sh.epoch, sh.delivery.late_from);
   // Every CTA pulls the first blocks, in parts, before it takes its role: nothing can be
   // computed before they land, and the comm CTAs then start on the blocks after them.
   const bool comm_cta = sh.ticket < p.comm_ctas;
@@ -284,9 +299,8 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
       else if (p.pull_helpers && !comm_cta && threadIdx.x >= kHelperFirstThread)
         help_pulls(p, plan, sh, ring1.table0);
     } else {
-      const int halves = consume_tiles(p.ops, plan, cx, ring1, ring2, sh.records, wg - 1);
-      const DeliveryArgs da{p.counters, p.status, p.signal_bases, sh.epoch, p.P, p.rank, fc2_arrivals(plan)};
-      deliver_fc2(da, halves, wg - 1);
+      const Fc2Tally tally = consume_tiles(p.ops, plan, cx, ring1, ring2, sh.records, sh.delivery, wg - 1);
+      deliver_fc2(sh.delivery, tally, wg - 1);
       if (threadIdx.x == 128) p.trace.stamp(cta_record, kTrReady);
     }
   }
@@ -294,7 +308,7 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
                    reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(p.rows.bases[p.rank]) +
                                                   p.ops.push.slots_offset),
                    p.ids, p.y, p.counters, deadline_of(p), sh.epoch, p.P, p.rank, p.T, p.rows.K, p.E,
-                   p.rows.vecs, p.trace, cta_record};
+                   p.rows.vecs, p.trace, cta_record, p.early_sum, p.L};
   combine_and_sum(sa, sh.sum, threadIdx.x);
   if (threadIdx.x == 0) p.trace.stamp(cta_record, kTrDone);
   // Pair mode: neither CTA exits while its peer may still arrive on its barriers.
@@ -327,7 +341,10 @@ bool bulk_copies_enabled() {
 // MOK_MEGAKERNEL_BLOCK_ORDER=0 / 1 hands out every expert's blocks in layout / zigzag order
 // (block_order_for);
 // MOK_MEGAKERNEL_COMM_JOINS=0 keeps the comm CTAs off the compute queue;
-// MOK_MEGAKERNEL_PULL_HELPERS=0 leaves the pull queue to the comm CTAs alone.
+// MOK_MEGAKERNEL_PULL_HELPERS=0 leaves the pull queue to the comm CTAs alone;
+// MOK_MEGAKERNEL_EARLY_SUM=0 leaves every token to the slot sum after the combine-done flags, =2
+// (for the tests) has the early sum take every unit it may, past the combine-done flags
+// (early_sum_mode).
 bool env_flag(const char* name, bool fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == 0) return fallback;
@@ -351,6 +368,23 @@ int block_order_for() {
   const char* v = std::getenv("MOK_MEGAKERNEL_BLOCK_ORDER");
   if (v == nullptr || *v == 0) return kZigzag;
   return std::strtol(v, nullptr, 10) <= 0 ? kLayoutOrder : kZigzag;
+}
+
+// MOK_MEGAKERNEL_EARLY_SUM: unset or 1 kEarlySum, 0 kNoEarlySum, 2 kEarlySumAll (slot_sum.cuh).
+int early_sum_mode() {
+  const char* v = std::getenv("MOK_MEGAKERNEL_EARLY_SUM");
+  if (v == nullptr || *v == 0) return kEarlySum;
+  const long n = std::strtol(v, nullptr, 10);
+  return n <= 0 ? kNoEarlySum : (n >= 2 ? kEarlySumAll : kEarlySum);
+}
+
+// MOK_MEGAKERNEL_LATE_MINIBATCHES: the last minibatches the early sum waits out, for
+// comparison: unset kLateMinibatches, otherwise 1 to 8.
+int late_minibatches_for() {
+  const char* v = std::getenv("MOK_MEGAKERNEL_LATE_MINIBATCHES");
+  if (v == nullptr || *v == 0) return kLateMinibatches;
+  const long n = std::strtol(v, nullptr, 10);
+  return n < 1 ? 1 : (n > 8 ? 8 : (int)n);
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
@@ -507,6 +541,19 @@ MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_
   return MOK_OK;
 }
 
+MOK_API int mok_megakernel_early_plan(int n_blocks, int mb_blocks, int n1, int n2, int pairs, int late_minibatches,
+                                      int32_t* out) {
+  MOK_REQUIRE(out && n_blocks >= 0 && mb_blocks >= 1 && n1 >= 1 && n2 >= 1 && late_minibatches >= 1);
+  MOK_REQUIRE(pairs == 0 || pairs == 1);
+  Plan plan{n_blocks, mb_blocks, 2 * mb_blocks, n1, n2};
+  plan.pairs = pairs;
+  plan.late_minibatches = late_minibatches;
+  out[0] = first_late_block(plan);
+  out[1] = early_position(plan);
+  out[2] = early_arrivals(plan);
+  return MOK_OK;
+}
+
 MOK_API int mok_megakernel_layout_blocks(const int32_t* counts, int L, int order, int32_t* out, int64_t out_len) {
   MOK_REQUIRE(counts != nullptr && out != nullptr && L >= 1 && order >= -1 && order <= 1);
   int64_t n_blocks = 0;
@@ -601,6 +648,8 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.block_order = block_order_for();
   p.comm_joins = env_flag("MOK_MEGAKERNEL_COMM_JOINS", true) ? 1 : 0;
   p.pull_helpers = env_flag("MOK_MEGAKERNEL_PULL_HELPERS", true) ? 1 : 0;
+  p.early_sum = a.K <= kEarlyMaxTopk && a.P <= kEarlyMaxRanks ? early_sum_mode() : 0;
+  p.late_minibatches = late_minibatches_for();
   const bool want_pairs = env_flag("MOK_MEGAKERNEL_PAIRS", a.pairs != 0);
 
   int64_t grid = 0;

@@ -75,7 +75,10 @@ def _align(n: int) -> int:
 class SymmetricLayout:
     """Byte offsets of the buffers in every rank's region (the same on all ranks).
 
-    signals: uint64 [P], barrier flags peers write; ntok: int32, this rank's T;
+    signals: uint64 [3, P], flags peers write: [0] the barrier's and the megakernel's
+    combine-done flags, [1] the megakernel's "early delivered" flags, [2] the first expert id
+    whose rows each rank may still be computing when it raises [1] (slot_sum.cuh);
+    ntok: int32, this rank's T;
     ids: int64 [T_cap, K]; scalars: fp32 [T_cap, K] (router weights out, dw slots in);
     rows: bf16 [T_cap, H] (x in the forward, dy in the backward);
     slots: bf16 [T_cap, K, H] (expert outputs in the forward, dx per slot in the backward).
@@ -95,7 +98,7 @@ class SymmetricLayout:
 
     @staticmethod
     def plan(P: int, max_tokens: int, topk: int, hidden: int) -> "SymmetricLayout":
-        sizes = [("signals", 8 * P), ("ntok", 16), ("ids", 8 * max_tokens * topk),
+        sizes = [("signals", 3 * 8 * P), ("ntok", 16), ("ids", 8 * max_tokens * topk),
                  ("scalars", 4 * max_tokens * topk), ("rows", 2 * max_tokens * hidden),
                  ("slots", 2 * max_tokens * topk * hidden)]
         offsets, at = {}, 0

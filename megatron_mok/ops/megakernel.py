@@ -39,6 +39,11 @@ FIRST_PULL_PARTS = 8
 """Parts (of 16 rows) of a first block's pull: the first two minibatches' blocks are pulled in
 parts by every CTA when the launch starts (mok/megakernel/plan.cuh)."""
 COUNTERS = {0: "x_ready", 1: "h_ready", 2: "fc2_done"}
+EARLY_NEXT_WORD = 9
+"""Header word of the counters (plan.cuh, kEarlyNext): after a launch, the units (quarters of a
+token's output row) the early slot sum took, plus one per warp that found its queue empty."""
+SUM_PARTS = 4
+"""Units of the slot sum per token (slot_sum.cuh, kSumParts)."""
 TRACE_FIELDS = ("take", "ready", "start", "done", "meta", "cta")
 """Columns of a trace record (mok/megakernel/trace.cuh): %globaltimer ns when the item was
 taken, its input acquired, its work started and its counter released; kind | block << 8 |
@@ -88,6 +93,7 @@ def _lib():
         "counter_words": lib.function("mok_megakernel_counter_words", _i64, [_i]),
         "plan_item": lib.function("mok_megakernel_plan_item", _i, [_i, _i, _i, _i, _i, _i, _i, _i, _v]),
         "layout_blocks": lib.function("mok_megakernel_layout_blocks", _i, [_v, _i, _i, _v, _i64]),
+        "early_plan": lib.function("mok_megakernel_early_plan", _i, [_i, _i, _i, _i, _i, _i, _v]),
         "launch_shape": lib.function("mok_megakernel_launch_shape", _i, [_i64, _i64, _i64, _v]),
         "forward": lib.function("mok_megakernel_forward", _i, [ctypes.POINTER(MegakernelArgs), _v]),
     }
@@ -100,6 +106,21 @@ def counter_words(ring_rows: int) -> int:
 
 
 QUEUES = {"compute": 0, "pull": 1, "first_pull": 2}
+LATE_MINIBATCHES = 2
+"""The last minibatches the early slot sum waits out (plan.cuh, kLateMinibatches)."""
+
+
+def early_plan(n_blocks: int, mb_blocks: int, n1: int, n2: int, pairs: bool = False,
+               late_minibatches: int = LATE_MINIBATCHES) -> Tuple[int, int, int]:
+    """The early slot sum's part of the work plan: (the first late block, the first compute-queue
+    position after every fc2 tile of an early block, the fc2 tile halves of the early blocks)."""
+    lib, fns = _lib()
+    out = (ctypes.c_int32 * 3)()
+    code = fns["early_plan"](n_blocks, mb_blocks, n1, n2, 1 if pairs else 0, late_minibatches, out)
+    if code != 0:
+        raise MegakernelArgumentError(f"early_plan({n_blocks}, {mb_blocks}, {n1}, {n2}, {pairs}, {late_minibatches}): "
+                                      f"{lib._dll.mok_error_string(code).decode()}")
+    return out[0], out[1], out[2]
 
 
 def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int, n1: int, n2: int,

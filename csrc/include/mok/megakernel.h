@@ -82,6 +82,13 @@ MOK_API int64_t mok_megakernel_counter_words(int ring_slots);
 MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_blocks, int slots,
                                      int n1, int n2, int pairs, int32_t* out);
 
+// The early slot sum's part of the plan (plan.cuh) for these sizes, with the last
+// late_minibatches minibatches late: out[0] = the first late block, out[1] = the first
+// compute-queue position after every fc2 tile of an early block, out[2] = the fc2 tile halves
+// of the early blocks. Returns MOK_OK or MOK_ERR_INVALID_ARGUMENT. No CUDA call.
+MOK_API int mok_megakernel_early_plan(int n_blocks, int mb_blocks, int n1, int n2, int pairs, int late_minibatches,
+                                      int32_t* out);
+
 // The layout block each block of the queues stands for (plan.cuh, BlockOrder), for a rank
 // whose local experts received counts[0 .. L) rows: out[b] for the n_blocks = sum of
 // ceil(counts[l] / 128) blocks (out_len at least that). order 0 layout, 1 zigzag, -1 the order

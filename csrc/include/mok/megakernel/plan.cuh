@@ -48,6 +48,7 @@ constexpr int kGroupBlocks = 8;       // row blocks per column sweep inside a mi
 constexpr int kTileArrivals = 2;      // consumer warpgroups per GEMM tile; each bumps once
 constexpr int kFirstPullParts = 8;    // parts of a first block's pull (16 rows each)
 constexpr int kFirstPullMinibatches = 2;  // minibatches whose blocks are pulled in parts
+constexpr int kLateMinibatches = 2;       // the last minibatches, whose rows the early sum waits out
 
 // (4 was the push item of the comm CTAs, before fc2's epilogue pushed; 5 is the trace's CTA
 // record kind.)
@@ -67,7 +68,9 @@ enum HeaderWord : int32_t {
   kSumNext = 5,       // slot-sum queue position (units: a quarter of a token's row)
   kRoleTicket = 6,    // CTAs started: the first comm_ctas become comm CTAs
   kFirstPullNext = 7, // first-pull queue position
-  kHeaderWords = 8,
+  kEarlyDelivered = 8,  // fc2 tile halves of the early blocks delivered home (early_arrivals)
+  kEarlyNext = 9,     // early slot-sum queue position (units, as kSumNext; slot_sum.cuh)
+  kHeaderWords = 10,
 };
 
 MOK_HD int64_t counter_words(int slots) { return kHeaderWords + (int64_t)kNumSlotCounters * slots; }
@@ -81,6 +84,7 @@ struct Plan {
   int n2;         // fc2 column blocks: H / kFc2Cols
   int first_minibatches = kFirstPullMinibatches;  // whose blocks are pulled in parts (0: none)
   int pairs = 0;  // 1: compute items are pair tiles, for CTA clusters of two (below)
+  int late_minibatches = kLateMinibatches;  // (slot_sum.cuh, early sum)
 };
 
 struct Item {
@@ -114,6 +118,15 @@ MOK_HD int compute_records(const Plan& p) { return p.pairs ? 2 * compute_items(p
 // fc2 tile halves of the launch (one per consumer warpgroup of every fc2 tile): what
 // kFc2Delivered reaches once every output row is at home.
 MOK_HD int fc2_arrivals(const Plan& p) { return p.n_blocks * p.n2 * kTileArrivals; }
+// The early slot sum (slot_sum.cuh) waits out the last late_minibatches minibatches: the blocks
+// before the first of them are "early", and so are their fc2 tile halves, which
+// kEarlyDelivered counts up to early_arrivals.
+MOK_HD int early_minibatches(const Plan& p) {
+  const int c = num_minibatches(p) - p.late_minibatches;
+  return c > 0 ? c : 0;
+}
+MOK_HD int first_late_block(const Plan& p) { return early_minibatches(p) * p.mb_blocks; }
+MOK_HD int early_arrivals(const Plan& p) { return first_late_block(p) * p.n2 * kTileArrivals; }
 // Record slots of the trace for comm items: one per block for pulls (the first blocks' records
 // stay empty; their parts have records after the CTAs', trace.cuh).
 MOK_HD int comm_items(const Plan& p) { return p.n_blocks; }
@@ -211,6 +224,16 @@ MOK_HD Item interleaved_item(const Plan& p, int i, int32_t kind_a, int ca, int32
 
 // Item at position i of the compute queue (0 <= i < compute_items).
 MOK_HD Item compute_item(const Plan& p, int i) { return interleaved_item(p, i, kFc1, p.n1, kFc2, p.n2); }
+// The first compute-queue position after every fc2 tile of the early minibatches (the order of
+// interleaved_item): a CTA that takes it or a later one has run all of its early fc2 tiles.
+MOK_HD int early_position(const Plan& p) {
+  const int c = early_minibatches(p), n = num_minibatches(p);
+  if (c == 0) return 0;
+  const int B = units_of(p, p.mb_blocks);
+  const int pair = B * (p.n1 + p.n2);
+  if (c <= n - 2) return B * p.n1 + c * pair;
+  return B * p.n1 + (n - 2) * pair + units_of(p, last_minibatch_blocks(p)) * p.n1 + B * p.n2;  // c == n - 1
+}
 
 MOK_HD Item queue_item(const Plan& p, int queue, int i) {
   if (queue == kComputeQueue) return compute_item(p, i);

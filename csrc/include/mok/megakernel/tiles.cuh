@@ -325,19 +325,20 @@ __device__ __forceinline__ void zero_gu_half(const gemm::SwiGLUForwardEpilogue::
 }
 
 // Consumer warpgroup cw (0 or 1): rows cw * 64 .. +64 of every tile. Returns the fc2 tile halves
-// it ran (push.cuh counts them as delivered).
-__device__ __forceinline__ int consume_tiles(const TileOperands& ops, const Plan& plan, const ComputeContext& cx,
-                                              const gemm::SmemRing<Fc1Cfg>& ring1,
-                                              const gemm::SmemRing<Fc2Cfg>& ring2, const StageRecord* records,
-                                              int cw) {
+// it ran (push.cuh counts them as delivered); before its first tile at or past early_position it
+// counts those of the early blocks as delivered early (report_early).
+__device__ __forceinline__ Fc2Tally consume_tiles(const TileOperands& ops, const Plan& plan, const ComputeContext& cx,
+                                                  const gemm::SmemRing<Fc1Cfg>& ring1,
+                                                  const gemm::SmemRing<Fc2Cfg>& ring2, const StageRecord* records,
+                                                  const DeliveryArgs& delivery, int cw) {
   gemm::PipeState st;
   float acc[Fc1Cfg::kAccRegs];
-  int fc2_halves = 0;
+  Fc2Tally tally;
   for (;;) {
     ring1.wait_full(st);
     const volatile StageRecord& vr = records[st.stage];
     const int kind = vr.kind;
-    if (kind == kEnd) return fc2_halves;
+    if (kind == kEnd) return tally;
     const gemm::RowTile t{vr.expert, vr.row0, vr.col, vr.row_end, true};
     const int record = vr.index;
     const int block = vr.block;
@@ -346,6 +347,8 @@ __device__ __forceinline__ int consume_tiles(const TileOperands& ops, const Plan
       else pass_stages(ops.fc2.K / gemm::kBK, ring2, st);
       continue;
     }
+    // Queue order: a tile at or past early_position comes after every early fc2 tile.
+    if (!tally.early_reported && record >= delivery.early_record) report_early(delivery, tally, cw);
     const bool stamps = cx.trace.on() && threadIdx.x % 128 == 0 && cw == 0;
     if (stamps) cx.trace.stamp(record, kTrStart);
     const int slot = t.row0 / kBlockRows;
@@ -379,7 +382,7 @@ __device__ __forceinline__ int consume_tiles(const TileOperands& ops, const Plan
       gemm::named_barrier_sync(1 + cw, 128);
       if (threadIdx.x % 128 == 0) red_release_gpu_add(cx.counters + counter_index(kFc2Done, slot, plan.slots), 1);
       if (!padding_only) push_fragment<Fc2Cfg::WGN>(ops.push, block, t.col_block, cw, acc);
-      ++fc2_halves;
+      ++tally.halves;
     }
     if (stamps) cx.trace.stamp(record, kTrDone);
   }
