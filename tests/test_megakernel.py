@@ -331,7 +331,7 @@ def test_plan_covers_every_item_once_in_the_documented_order(use_lib, n_blocks, 
 
 
 def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahead, seed, pairs=False,
-             comm_joins=False, helpers=False, stats=None):
+             comm_joins=False, helpers=False, stats=None, late=None):
     """Replay the kernel's protocol: workers take queue items in order, wait for the counter
     targets the plan gives, and bump the counters the kernel bumps. Returns None when every
     item ran, else a description of the deadlock. Asserts the dependencies and the slot
@@ -346,7 +346,13 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
     compute worker, as a comm CTA of the kernel does (MOK_MEGAKERNEL_COMM_JOINS). With helpers,
     every compute worker also serves the pull queue from the time it leaves the first-pull queue,
     next to its tiles, as a compute CTA's idle producer warps do (MOK_MEGAKERNEL_PULL_HELPERS).
-    `stats`, a dict, gets the number of pulls each kind of server ran ("comm", "help")."""
+    `stats`, a dict, gets the number of pulls each kind of server ran ("comm", "help").
+    With `late` (minibatches the early slot sum waits out), every compute worker counts the fc2
+    tiles it ran as early delivered when it consumes its first item at or past early_position,
+    or when it has nothing left, as a consumer warpgroup of the kernel does (push.cuh,
+    report_early); once the count reaches the early blocks' fc2 tiles the "early delivered" flag
+    goes up, and the replay asserts that every early fc2 tile is done by then and that no worker
+    counts a late one. `stats` then also gets "early_flag_at": fc2 tiles done when it went up."""
     rng = random.Random(seed)
     queues = {q: _queue(q, n_blocks, mb, slots, n1, n2) for q in ("compute", "pull", "first_pull")}
     # Compute items as lists of tiles: one tile, or the one or two tiles of a pair.
@@ -398,7 +404,30 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
     first = {wk: None for wk in workers}                # first-pull part a worker holds
     in_first = {wk: True for wk in workers}             # still serving the first-pull queue
     total = sum(len(q) for name, q in queues.items() if name != "compute") + n_blocks * (n1 + n2)
+    if late is not None:
+        first_late, early_pos, _ = mk.early_plan(n_blocks, mb, n1, n2, pairs, late)
+        early = {"count": 0, "up": False}
+        ran_fc2 = {}        # worker -> fc2 tiles it ran, not yet counted
+        reported = set()    # workers that have counted theirs
+        positions = {}      # id(compute item) -> its queue position
+
+        def report(w):
+            reported.add(w)
+            tiles = ran_fc2.pop(w, [])
+            assert all(b < first_late for b in tiles), f"worker {w} counts late fc2 tiles {tiles}"
+            early["count"] += len(tiles)
+            if early["count"] == first_late * n2 and not early["up"]:
+                early["up"] = True
+                missing = [(b, c) for b in range(first_late) for c in range(n2) if ("fc2", b, c) not in done]
+                assert not missing, f"early flag up before fc2 tiles {missing[:4]}"
+                if stats is not None:
+                    stats["early_flag_at"] = sum(1 for d in done if d[0] == "fc2")
     while len(done) < total:
+        if late is not None:  # a worker with nothing left counts what it ran
+            for w in list(range(compute_workers)) + [compute_workers + j for j in joined]:
+                if (w not in reported and producers[w] is None and not issued[w]
+                        and nxt["compute"] >= len(queues["compute"])):
+                    report(w)
         actions = []
         for wk in workers:
             if not in_first[wk]:
@@ -457,6 +486,8 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
             comm[w] = None
         elif act == "take_compute":
             producers[w] = queues["compute"][nxt["compute"]]
+            if late is not None:
+                positions[id(producers[w])] = nxt["compute"]
             nxt["compute"] += 1
         elif act == "issue":
             for t in producers[w]:
@@ -464,9 +495,20 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
             issued[w].append(producers[w])
             producers[w] = None
         else:
-            for t in issued[w].pop(0):
+            item = issued[w].pop(0)
+            if late is not None and w not in reported and positions[id(item)] >= early_pos:
+                report(w)
+            for t in item:
                 finish(t)
+                if late is not None and t[0] == "fc2":
+                    assert w not in reported or t[1] >= first_late, f"worker {w} ran early fc2 {t[:3]} after counting"
+                    ran_fc2.setdefault(w, []).append(t[1])
     assert not owner, f"slots still held at the end: {owner}"
+    if late is not None:
+        for w in list(range(compute_workers)) + [compute_workers + j for j in joined]:
+            if w not in reported:
+                report(w)
+        assert early["count"] == first_late * n2 and (early["up"] or first_late == 0), early
     return None
 
 
@@ -483,6 +525,29 @@ def test_protocol_never_deadlocks_and_respects_dependencies(use_lib, seed):
             for joins, helpers in ((False, False), (True, False), (False, True), (True, True)):
                 assert simulate(**args, seed=seed * 10 + replay, pairs=pairs, comm_joins=joins,
                                 helpers=helpers) is None, (args, pairs, joins, helpers)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_early_delivery_counts_every_early_fc2_tile_and_no_other(use_lib, seed):
+    """The early slot sum's counts (push.cuh) replayed: whatever the interleaving, the producers
+    running ahead, pair tiles, comm workers joining or pull helpers, the workers count exactly the
+    fc2 tiles of the early blocks, each after it ran, and the early flag goes up with all of them
+    done; with two or more late minibatches it goes up before the last fc2 tile is done."""
+    rng = random.Random(2000 + seed)
+    mb = rng.randint(1, 4)
+    n_blocks = rng.randint(1, 40)
+    args = dict(n_blocks=n_blocks, mb=mb, slots=mb * rng.randint(2, 4), n1=rng.randint(1, 4),
+                n2=rng.randint(1, 3), comm_workers=rng.randint(1, 6), compute_workers=rng.randint(1, 5),
+                lookahead=rng.randint(1, 3))
+    for late in (1, 2, 3):
+        for pairs in (False, True):
+            for joins, helpers in ((False, False), (True, True)):
+                stats = {}
+                assert simulate(**args, seed=seed * 10 + late, pairs=pairs, comm_joins=joins, helpers=helpers,
+                                stats=stats, late=late) is None, (args, late, pairs, joins, helpers)
+                n_mb = -(-n_blocks // mb)
+                if n_mb > late and late >= 2:
+                    assert stats["early_flag_at"] < n_blocks * args["n2"], (args, late, stats)
 
 
 def test_one_hot_expert_through_a_two_slot_ring(use_lib):
@@ -890,8 +955,8 @@ EARLY_CASES = [(141, [3000], 2048, 1024, 12, 8, "zipf", SMALL_RING),
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", EARLY_CASES, ids=lambda s: f"P{len(s[1])}-L{s[4]}-k{s[5]}-{s[6]}")
 def test_megakernel_early_sum_matches_the_final_sum(spec, monkeypatch):
-    """The early slot sum (tokens whose rows are all home before the last minibatch's) made to
-    take every unit it may (MOK_MEGAKERNEL_EARLY_SUM=2), waiting out the last two or the last
+    """The early slot sum (tokens whose rows are all home before the last minibatches run) made
+    to take every unit it may (MOK_MEGAKERNEL_EARLY_SUM=2), waiting out the last two or the last
     minibatch, with NaN in every slot and ring row before the call: the oracle's numbers and the
     default launch's bits; and it did take units. Then the early sum off: the same bits."""
     from .gpu_cases import gpu_case
