@@ -22,7 +22,9 @@ torch._grouped_mm fc1 + fc2 alone on the rank's expert load (A B B A B A A B, af
 untimed calls of both), each after untimed calls that bring the card to the power state it holds
 under that load, and prints both medians, the ratio and the medians per block; with --host-lead
 MS the GPU spins MS before each timed call, so the host path before the launches is not timed;
-with --back-to-back each block's calls are queued without synchronising (steady state).
+with --back-to-back each block's calls are queued without synchronising (steady state); with
+--clocks S each side then runs back to back for S seconds while nvidia-smi samples the GPUs'
+SM clock and power draw (their medians per GPU and side).
 With --ab NAME=A,B it instead times calls with the environment variable NAME set to A and to B
 alternately (the library reads its MOK_MEGAKERNEL_* switches at every launch), with
 --ab-settings two settings alternately; each call synchronised and timed on the slowest rank; it
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -357,6 +360,60 @@ def block_medians(times: Dict[str, List[float]], rounds: int) -> str:
                      for name, v in times.items())
 
 
+def clock_probe(variants, seconds: float, distributed: bool, rank: int, label: str) -> None:
+    """Runs each (name, call) variant back to back for `seconds` on every rank while
+    `nvidia-smi` samples every GPU's SM clock and power draw every 50 ms, and prints (rank 0) the
+    median of each per GPU over the last 80% of the samples: whether a side that takes longer
+    under the power cap runs at a lower clock (more energy per call) or at the same clock (more
+    cycles per call). Every rank runs the same number of calls (the megakernel couples them)."""
+    for name, call in variants:
+        if distributed:
+            dist.barrier()
+        sampler = None
+        if rank == 0:
+            sampler = subprocess.Popen(["nvidia-smi", "--query-gpu=index,clocks.sm,power.draw",
+                                        "--format=csv,noheader,nounits", "-lms", "50"],
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        end = time.time() + seconds
+        calls = 0
+        stop = torch.zeros(1, dtype=torch.int32, device="cuda")
+        while True:
+            for _ in range(16):
+                call()
+            calls += 16
+            torch.cuda.synchronize()
+            stop.fill_(int(time.time() > end))
+            if distributed:
+                dist.broadcast(stop, 0)
+            if stop.item():
+                break
+        if sampler is None:
+            continue
+        sampler.terminate()
+        summary = clock_summary(sampler.communicate()[0])
+        print(f"{label} {name}, {calls} calls back to back in {seconds:g} s: " + "; ".join(
+            f"GPU {gpu}: SM clock {mhz:.0f} MHz, power {watts:.0f} W ({n} samples)"
+            for gpu, (mhz, watts, n) in sorted(summary.items())), flush=True)
+
+
+def clock_summary(text: str) -> Dict[int, Tuple[float, float, int]]:
+    """`nvidia-smi --query-gpu=index,clocks.sm,power.draw --format=csv,noheader,nounits` lines ->
+    {GPU index: (median SM clock MHz, median power W, samples kept)} over the last 80% of each
+    GPU's samples (the first fifth is the clock settling); lines that do not parse are skipped."""
+    per_gpu: Dict[int, List[Tuple[float, float]]] = {}
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            per_gpu.setdefault(int(fields[0]), []).append((float(fields[1]), float(fields[2])))
+        except (ValueError, IndexError):
+            continue
+    out = {}
+    for gpu, samples in per_gpu.items():
+        kept = samples[len(samples) // 5:]
+        out[gpu] = (statistics.median(c for c, _ in kept), statistics.median(w for _, w in kept), len(kept))
+    return out
+
+
 def ab_timing(variants, rounds: int, distributed: bool, rank: int, label: str, blocks_warmup: int = 0) -> None:
     """Timing of two (name, call) variants, each call synchronised and timed on the slowest rank.
     By default paired: alternating which goes first in each round, so slow drifts cancel, but
@@ -423,9 +480,14 @@ def main() -> None:
                          "meanwhile and its path is not timed; the spin lowers the duty cycle, so the clock "
                          "runs higher than in steady state (prefer --back-to-back) (default 0: synchronised "
                          "calls, the host path to the launches included)")
+    ap.add_argument("--clocks", type=float, default=0.0, metavar="SECONDS",
+                    help="--bound: afterwards run each side back to back for SECONDS while nvidia-smi samples "
+                         "the SM clock and power draw, and print their medians per GPU")
     ap.add_argument("--training", action="store_true",
                     help="forward with grad: the launch also writes the activations the backward reads")
     args = ap.parse_args()
+    if args.clocks and not args.bound:
+        ap.error("--clocks runs after the bound: add --bound")
     if (args.back_to_back or args.host_lead) and not args.bound:
         ap.error("--back-to-back and --host-lead time the bound only: add --bound")
     if args.back_to_back and args.host_lead:
@@ -489,6 +551,11 @@ def main() -> None:
                          distributed, rank, f"L={L} {args.settings[0]}{' training' if args.training else ''}"
                          f"{'' if args.routing == 'uniform' else ' routing ' + args.routing}",
                          host_lead_ms=args.host_lead, back_to_back=args.back_to_back)
+            if args.clocks > 0:
+                clock_probe([("megakernel", lambda: mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg,
+                                                            backend="megakernel")),
+                             ("torch._grouped_mm", gemms_alone_call(int(counts.sum()), counts, fc1, fc2))],
+                            args.clocks, distributed, rank, f"L={L}")
         if distributed:
             dist.destroy_process_group()
         return

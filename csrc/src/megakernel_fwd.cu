@@ -66,6 +66,7 @@ struct KernelParams {
   int pull_helpers;  // 1: warps 1-3 of every compute CTA serve the pull queue too (Crew)
   int early_sum;     // EarlySum: warps with nothing left to do sum tokens whose rows are home early
   int late_minibatches;  // the last minibatches the early sum waits out (Plan::late_minibatches)
+  int first_group;       // Plan::first_group
 };
 
 // Shared memory after the stage ring (whose plan is Fc1Cfg::kSmemBytes, alignment included).
@@ -153,15 +154,13 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
   const bool use_bulk = p.bulk_copies && crew.whole_cta() && stage_area != nullptr;
   CopyPipe pipe{use_bulk ? stage_area + warp * kCopyWarpBytes : nullptr, &sh.copy_bars[warp * kCopyStages], 0};
   CopyPipe* bulk = use_bulk ? &pipe : nullptr;
-  if (crew.whole_cta()) {
-    if (bulk != nullptr && threadIdx.x == 0) {
-      for (int b = 0; b < kCopyWarps * kCopyStages; ++b) g::mbar_init(&sh.copy_bars[b], 1);
-      g::mbar_fence_init();
-    }
-    // Also: every thread has read the item that ended this CTA's previous queue (a comm CTA
-    // serves two in turn through sh.comm_item) before the first thread writes the next.
-    __syncthreads();
+  if (bulk != nullptr && threadIdx.x == 0) {
+    for (int b = 0; b < kCopyWarps * kCopyStages; ++b) g::mbar_init(&sh.copy_bars[b], 1);
+    g::mbar_fence_init();
   }
+  // Also: every thread has read the item that ended the crew's previous queue (a comm CTA and a
+  // helper crew serve two in turn through one item word) before the first thread writes the next.
+  crew.sync();
   for (;;) {
     if (crew.leads()) {
       Item it;
@@ -203,14 +202,30 @@ __device__ __forceinline__ void serve_comm_queue(const KernelParams& p, const Pl
 }
 
 // The pull queue, served by warps 1-3 of a compute CTA's producer warpgroup (idle otherwise:
-// thread 0 issues the TMA loads) next to the comm CTAs. Not inlined (see serve_first_pulls).
+// thread 0 issues the TMA loads) next to the comm CTAs; with Plan::first_group, first what is
+// left of the first-pull queue, once the first group's blocks have landed (before, their pulls
+// would share NVLink with the first group's, which the first tiles wait for; after, the comm
+// CTAs alone would pull the rest of the first two minibatches late). Not inlined (see
+// serve_first_pulls).
 __device__ __noinline__ void help_pulls(const KernelParams& p, const Plan& plan, CtaShared& sh, const int32_t* offs) {
   const Crew crew{kHelperFirstThread, kHelperThreads, kHelperBarrier, &sh.helper_item};
+  if (plan.first_group) {
+    if (crew.leads()) {
+      const Deadline d = deadline_of(p);
+      const int group = first_pull_items_for_compute(plan) / kFirstPullParts;
+      for (int b = 0; b < group; ++b)  // first blocks are their slots' first generation: slot b
+        if (!wait_counter(p.counters + counter_index(kXReady, b, plan.slots), kFirstPullParts, d,
+                          MOK_SITE_MK_FC1_WAITS_PULL))
+          break;
+    }
+    serve_comm_queue(p, plan, sh, offs, nullptr, kFirstPullQueue, crew);
+  }
   serve_comm_queue(p, plan, sh, offs, nullptr, kPullQueue, crew);
 }
 
 // The first-pull queue, served by every CTA when it starts: a compute CTA takes parts of the
-// first minibatch's blocks only (its tiles need nothing else first), a comm CTA every part left.
+// first group's blocks only (its first tiles need nothing else; first_pull_items_for_compute), a
+// comm CTA every part left (with the compute CTAs' helpers, help_pulls).
 // Not inlined: a third inlined copy of the row-copy code made ptxas spill in the GEMM epilogue
 // (168 registers, the launch bound).
 __device__ __noinline__ void serve_first_pulls(const KernelParams& p, const Plan& plan, CtaShared& sh,
@@ -236,7 +251,8 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     sh.n_blocks = p.offsets[p.L] / kBlockRows;
     // The early sum (slot_sum.cuh): this rank's late experts start at the expert of its first
     // late block (the first of the last late_minibatches minibatches).
-    const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2, p.first_minibatches, p.pairs, p.late_minibatches};
+    const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2, p.first_minibatches, p.pairs, p.late_minibatches,
+                    p.first_group};
     const int first_late = first_late_block(plan);
     const int64_t late_from =
         (int64_t)p.rank * p.L + (first_late < plan.n_blocks ? expert_of_row(p.offsets, p.L, first_late * kBlockRows) : p.L);
@@ -254,7 +270,8 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     if (threadIdx.x == 0 && rank == 1) sh.ticket = (int32_t)g::ld_shared_cluster_u32(&sh.ticket, 0) + 1;
   }
   __syncthreads();
-  const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2, p.first_minibatches, p.pairs, p.late_minibatches};
+  const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2, p.first_minibatches, p.pairs, p.late_minibatches,
+                    p.first_group};
   const int wg = threadIdx.x / 128;
   const int64_t cta_record =
       p.trace.on() ? (int64_t)compute_records(plan) + comm_items(plan) + (int64_t)blockIdx.x : (int64_t)-1;
@@ -351,6 +368,8 @@ bool env_flag(const char* name, bool fallback) {
   return std::strcmp(v, "0") != 0;
 }
 
+// MOK_MEGAKERNEL_FIRST_GROUP=0: compute CTAs pull parts of the whole first minibatch, not only of
+// its first group (Plan::first_group), for comparison.
 // MOK_MEGAKERNEL_FIRST_PULL: minibatches whose blocks every CTA pulls in parts when the launch
 // starts, for comparison: unset kFirstPullMinibatches, 0 none (every pull by the comm CTAs,
 // whole blocks, as before the eighth session); at most 8 (a valid ring bounds it further).
@@ -640,6 +659,7 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.E = (int)(a.P * a.L);
   p.comm_ctas = (int)a.comm_ctas;
   p.first_minibatches = first_minibatches_for();
+  p.first_group = env_flag("MOK_MEGAKERNEL_FIRST_GROUP", true) ? 1 : 0;
   p.mb_blocks = (int)(a.minibatch_rows / kBlockRows);
   p.slots = slots;
   p.n1 = (int)(a.I / kFc1Cols);

@@ -38,6 +38,9 @@ ITEM_KINDS = {1: "fc1", 2: "fc2", 3: "pull", 6: "pull_part"}
 FIRST_PULL_PARTS = 8
 """Parts (of 16 rows) of a first block's pull: the first two minibatches' blocks are pulled in
 parts by every CTA when the launch starts (mok/megakernel/plan.cuh)."""
+GROUP_BLOCKS = 8
+"""Row blocks of a group, the tiles of a minibatch's column sweep (plan.cuh, kGroupBlocks); a
+compute CTA pulls parts of the first group's blocks only, when the launch starts."""
 COUNTERS = {0: "x_ready", 1: "h_ready", 2: "fc2_done"}
 EARLY_NEXT_WORD = 9
 """Header word of the counters (plan.cuh, kEarlyNext): after a launch, the units (quarters of a

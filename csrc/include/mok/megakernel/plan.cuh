@@ -13,7 +13,8 @@
 //            kBlockRows / kFirstPullParts rows, part(0, 0), part(0, 1), ..., served by every
 //            CTA when the launch starts (nothing can be computed before they land, and one
 //            CTA takes ~0.1 ms to pull a whole block); compute CTAs take only the first
-//            minibatch's parts, then start on its tiles
+//            group's parts, then start on its tiles (their pull helpers join the rest once
+//            the first group has landed)
 //   compute: fc1(mb 0), then for m = 1 .. n_mb-1: fc1(mb m), fc2(mb m-1); then fc2(last)
 //   pull:    pull(nf), pull(nf + 1), ... (block order after the nf first blocks), served by
 //            the comm CTAs
@@ -85,6 +86,7 @@ struct Plan {
   int first_minibatches = kFirstPullMinibatches;  // whose blocks are pulled in parts (0: none)
   int pairs = 0;  // 1: compute items are pair tiles, for CTA clusters of two (below)
   int late_minibatches = kLateMinibatches;  // (slot_sum.cuh, early sum)
+  int first_group = 1;  // 1: compute CTAs pull parts of the first group's blocks only (0: the first minibatch's)
 };
 
 struct Item {
@@ -250,10 +252,15 @@ MOK_HD Item queue_item(const Plan& p, int queue, int i) {
   return it;
 }
 
-// First-pull positions a compute CTA takes: the parts of the first minibatch's blocks. The comm
-// CTAs pull the rest of the first blocks while the compute CTAs start on the first minibatch.
+// First-pull positions a compute CTA takes: the parts of the first group's blocks (the first
+// wave's tiles need nothing else; with first_group == 0, of the first minibatch's). The comm
+// CTAs, and the compute CTAs' pull helpers once those have landed, pull the rest of the first
+// blocks while the compute CTAs start on the first tiles. At
+// P > 1 half of those rows cross NVLink, whose bandwidth sets when the first tile can start:
+// the first group alone lands in half the time of the first minibatch.
 MOK_HD int first_pull_items_for_compute(const Plan& p) {
-  const int n = first_blocks(p) < p.mb_blocks ? first_blocks(p) : p.mb_blocks;
+  int n = first_blocks(p) < p.mb_blocks ? first_blocks(p) : p.mb_blocks;
+  if (p.first_group && n > kGroupBlocks) n = kGroupBlocks;
   return n * kFirstPullParts;
 }
 
