@@ -331,7 +331,7 @@ def test_plan_covers_every_item_once_in_the_documented_order(use_lib, n_blocks, 
 
 
 def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahead, seed, pairs=False,
-             comm_joins=False, helpers=False, stats=None, late=None):
+             comm_joins=False, helpers=False, stats=None, late=None, comm_pull_limit=None):
     """Replay the kernel's protocol: workers take queue items in order, wait for the counter
     targets the plan gives, and bump the counters the kernel bumps. Returns None when every
     item ran, else a description of the deadlock. Asserts the dependencies and the slot
@@ -346,8 +346,9 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
     compute worker, as a comm CTA of the kernel does (MOK_MEGAKERNEL_COMM_JOINS). With helpers,
     every compute worker also serves pulls from the time it leaves the first-pull queue, next to
     its tiles, as a compute CTA's idle producer warps do (MOK_MEGAKERNEL_PULL_HELPERS): the
-    first-pull parts left once the first group's blocks have landed, then the pull queue.
-    `stats`, a dict, gets the number of pulls each kind of server ran ("comm", "help"), and of
+    first-pull parts left once the first group's blocks have landed, then the pull queue. With
+    comm_pull_limit (only with helpers and comm_joins, as in the kernel), comm workers take pull-
+    queue positions below it only, then join (MOK_MEGAKERNEL_COMM_PULL_LIMIT). `stats`, a dict, gets the number of pulls each kind of server ran ("comm", "help"), and of
     first-pull parts the helpers ran ("help_part").
     With `late` (minibatches the early slot sum waits out), every compute worker counts the fc2
     tiles it ran as early delivered when it consumes its first item at or past early_position,
@@ -355,8 +356,10 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
     report_early); once the count reaches the early blocks' fc2 tiles the "early delivered" flag
     goes up, and the replay asserts that every early fc2 tile is done by then and that no worker
     counts a late one. `stats` then also gets "early_flag_at": fc2 tiles done when it went up."""
+    assert comm_pull_limit is None or (helpers and comm_joins), "the kernel limits the comm CTAs only then"
     rng = random.Random(seed)
     queues = {q: _queue(q, n_blocks, mb, slots, n1, n2) for q in ("compute", "pull", "first_pull")}
+    comm_pulls = len(queues["pull"]) if comm_pull_limit is None else min(comm_pull_limit, len(queues["pull"]))
     # Compute items as lists of tiles: one tile, or the one or two tiles of a pair.
     queues["compute"] = (_pair_tiles(n_blocks, mb, slots, n1, n2) if pairs else [[t] for t in queues["compute"]])
     nxt = {"compute": 0, "pull": 0, "first_pull": 0}
@@ -456,7 +459,7 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
                 elif comm[srv] is not None and ready(comm[srv]):
                     actions.append(("run_comm", srv))
                 continue
-            if comm[srv] is None and nxt["pull"] < len(queues["pull"]):
+            if comm[srv] is None and nxt["pull"] < (comm_pulls if role == "comm" else len(queues["pull"])):
                 actions.append(("take_comm", srv))
             elif comm[srv] is not None and ready(comm[srv]):
                 actions.append(("run_comm", srv))
@@ -542,6 +545,11 @@ def test_protocol_never_deadlocks_and_respects_dependencies(use_lib, seed):
             for joins, helpers in ((False, False), (True, False), (False, True), (True, True)):
                 assert simulate(**args, seed=seed * 10 + replay, pairs=pairs, comm_joins=joins,
                                 helpers=helpers) is None, (args, pairs, joins, helpers)
+            # The comm workers join right after the first pulls, or after a few pulls (the
+            # kernel's default without training copies, and the switch).
+            for limit in (0, 3):
+                assert simulate(**args, seed=seed * 10 + replay, pairs=pairs, comm_joins=True, helpers=True,
+                                comm_pull_limit=limit) is None, (args, pairs, limit)
 
 
 def _early_sweep_case(seed: int) -> dict:
@@ -562,9 +570,9 @@ def test_early_delivery_counts_every_early_fc2_tile_and_no_other(use_lib, seed):
     args = _early_sweep_case(seed)
     for late in (1, 2, 3):
         for pairs in (False, True):
-            for joins, helpers in ((False, False), (True, True)):
+            for joins, helpers, limit in ((False, False, None), (True, True, None), (True, True, 0)):
                 assert simulate(**args, seed=seed * 10 + late, pairs=pairs, comm_joins=joins, helpers=helpers,
-                                late=late) is None, (args, late, pairs, joins, helpers)
+                                late=late, comm_pull_limit=limit) is None, (args, late, pairs, joins, helpers, limit)
 
 
 def test_early_flag_usually_goes_up_before_the_last_fc2_tile(use_lib):
@@ -616,6 +624,12 @@ def test_pull_helpers_take_pulls(use_lib):
     for seed in range(5):
         assert simulate(**args, seed=seed, pairs=True, helpers=True, stats=stats) is None
     assert stats.get("help_part", 0) > 0, stats
+    # With the comm workers' pull limit at 0 they take no pull at all: the helpers take every one.
+    stats = {}
+    for seed in range(5):
+        assert simulate(**args, seed=seed, pairs=True, helpers=True, comm_joins=True, comm_pull_limit=0,
+                        stats=stats) is None
+    assert stats.get("comm", 0) == 0 and stats.get("help", 0) == 5 * (60 - 24), stats
 
 
 def test_a_one_minibatch_ring_deadlocks_and_the_simulator_sees_it(use_lib):
@@ -1057,13 +1071,13 @@ COPIES_ENV = "MOK_MEGAKERNEL_COPIES"
 SWITCHES_OFF = {"MOK_MEGAKERNEL_HALF_A": "0", "MOK_MEGAKERNEL_FIRST_PULL": "0", "MOK_MEGAKERNEL_PAIRS": "0",
                 "MOK_MEGAKERNEL_BLOCK_ORDER": "0", "MOK_MEGAKERNEL_COMM_JOINS": "0",
                 "MOK_MEGAKERNEL_PULL_HELPERS": "0", "MOK_MEGAKERNEL_EARLY_SUM": "0",
-                "MOK_MEGAKERNEL_FIRST_GROUP": "0"}
+                "MOK_MEGAKERNEL_FIRST_GROUP": "0", "MOK_MEGAKERNEL_COMM_PULL_LIMIT": "2147483647"}
 """The launch's other comparison switches, off: every tile loads all 128 rows of A; no first
 pulls in parts (the comm CTAs pull every block); single CTAs instead of clusters of two sharing
 the weight tiles; every expert's blocks in layout order instead of zigzag; the comm CTAs stay
 off the compute queue; the compute CTAs' idle producer warps do not pull; no token is summed
 before the combine-done flags; compute CTAs pull parts of the whole first minibatch and the
-helpers none."""
+helpers none; the comm CTAs serve the whole pull queue before they join the compute queue."""
 SETTINGS = [(2, 128, 256), (2, 256, 1024), (4, 512, 1024), (3, 384, 1536), (None, None, None)]
 
 

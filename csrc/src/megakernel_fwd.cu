@@ -67,6 +67,7 @@ struct KernelParams {
   int early_sum;     // EarlySum: warps with nothing left to do sum tokens whose rows are home early
   int late_minibatches;  // the last minibatches the early sum waits out (Plan::late_minibatches)
   int first_group;       // Plan::first_group
+  int comm_pull_limit;   // pull-queue positions a comm CTA may take (the helpers take the rest)
 };
 
 // Shared memory after the stage ring (whose plan is Fc1Cfg::kSmemBytes, alignment included).
@@ -288,7 +289,8 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
   const bool comm_cta = sh.ticket < p.comm_ctas;
   serve_first_pulls(p, plan, sh, ring1.table0, ring1.a(0), !comm_cta);
   if (comm_cta) {
-    serve_comm_queue(p, plan, sh, ring1.table0, ring1.a(0), kPullQueue, Crew{0, (int)blockDim.x, 0, &sh.comm_item});
+    serve_comm_queue(p, plan, sh, ring1.table0, ring1.a(0), kPullQueue, Crew{0, (int)blockDim.x, 0, &sh.comm_item},
+                     p.comm_pull_limit);
     if (threadIdx.x == 0) p.trace.stamp(cta_record, kTrReady);
     // No rows routed to this rank: no fc2 tile will complete the count of deliveries. (Every
     // pull happens-before the fc2 tiles of its block through the counters, so the flags also
@@ -296,10 +298,11 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     if (plan.n_blocks == 0 && sh.ticket == 0 && threadIdx.x == 0 && !timeout_recorded(p.status))
       raise_combine_done(p.signal_bases, p.P, p.rank, sh.epoch);
   }
-  // A comm CTA whose pull queue is empty (every block is pulled or being pulled) joins the
-  // compute CTAs on what is left of the compute queue: in the last minibatches the pulls are
-  // done while the tiles still run. It holds compute items only after its last pull, and a
-  // compute item waits only for earlier positions' work, so this adds no cycle of waits.
+  // A comm CTA whose pull queue is empty (every block is pulled or being pulled), or that has
+  // reached comm_pull_limit (by default without training copies: right after the first pulls;
+  // the compute CTAs' helpers serve the pull queue), joins the compute CTAs on what is left of
+  // the compute queue. It holds compute items only after its last pull, and a compute item
+  // waits only for earlier positions' work, so this adds no cycle of waits.
   if (!comm_cta || p.comm_joins) {
     // Pair mode: the peer multicasts into this CTA's stages as soon as its producer starts, and
     // the pulls used them as copy chunks (their bulk stores complete): both CTAs finish those
@@ -395,6 +398,18 @@ int early_sum_mode() {
   if (v == nullptr || *v == 0) return kEarlySum;
   const long n = std::strtol(v, nullptr, 10);
   return n <= 0 ? kNoEarlySum : (n >= 2 ? kEarlySumAll : kEarlySum);
+}
+
+// MOK_MEGAKERNEL_COMM_PULL_LIMIT: pull-queue positions the comm CTAs may take before they join
+// the compute queue (the pull helpers serve all of it), for comparison; unset: none in a launch
+// without training copies (the comm CTAs join the compute CTAs right after the first pulls:
+// -0.03 to -0.16 ms, nineteenth session), no limit in one with them (their pulls move twice the
+// bytes; not measured with the limit yet).
+int comm_pull_limit_for(bool training_copies) {
+  const char* v = std::getenv("MOK_MEGAKERNEL_COMM_PULL_LIMIT");
+  if (v == nullptr || *v == 0) return training_copies ? INT32_MAX : 0;
+  const long n = std::strtol(v, nullptr, 10);
+  return n < 0 ? 0 : (n > INT32_MAX ? INT32_MAX : (int)n);
 }
 
 // MOK_MEGAKERNEL_LATE_MINIBATCHES: the last minibatches the early sum waits out, for
@@ -668,6 +683,9 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.block_order = block_order_for();
   p.comm_joins = env_flag("MOK_MEGAKERNEL_COMM_JOINS", true) ? 1 : 0;
   p.pull_helpers = env_flag("MOK_MEGAKERNEL_PULL_HELPERS", true) ? 1 : 0;
+  // Without the helpers nobody else serves the pull queue: the comm CTAs take all of it (and
+  // with comm CTAs that never join the compute CTAs, a limit would only idle them).
+  p.comm_pull_limit = p.pull_helpers && p.comm_joins ? comm_pull_limit_for(a.save_x != nullptr) : INT32_MAX;
   p.early_sum = a.K <= kEarlyMaxTopk && a.P <= kEarlyMaxRanks ? early_sum_mode() : 0;
   p.late_minibatches = late_minibatches_for();
   const bool want_pairs = env_flag("MOK_MEGAKERNEL_PAIRS", a.pairs != 0);
