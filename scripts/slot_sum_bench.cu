@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "mok/megakernel/slot_sum.cuh"
+#include "mok/swiglu_math.cuh"
 
 #include "bench_check.cuh"
 
@@ -56,15 +57,6 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& r) {
     acc[2 * c] += f.x;
     acc[2 * c + 1] += f.y;
   }
-}
-
-// The 8 sums rounded to bf16, as one 16-byte vector.
-__device__ __forceinline__ uint4 bf16x8_of(const float (&acc)[8]) {
-  uint4 out;
-  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-  for (int c = 0; c < 4; ++c) o[c] = __floats2bfloat162_rn(acc[2 * c], acc[2 * c + 1]);
-  return out;
 }
 
 __global__ void product_sum(mok::mega::SumArgs a) {
@@ -120,7 +112,7 @@ __global__ void variant_sum(const uint4* __restrict__ slots, uint4* __restrict__
 #pragma unroll
       for (int h = 0; h < kPairs; ++h) {
         const int q = q0 + h * kSumThreads;
-        if (q < pairs) y[(int64_t)(t0 + q / kVecs) * kVecs + q % kVecs] = bf16x8_of(acc[h]);
+        if (q < pairs) y[(int64_t)(t0 + q / kVecs) * kVecs + q % kVecs] = mok::pack8(acc[h]);
       }
     }
   }
@@ -151,7 +143,7 @@ __global__ void token_major_sum(const uint4* __restrict__ slots, uint4* __restri
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int j = 0; j < kK; ++j) add_bf16x8(acc, r[h][j]);
-        y[(int64_t)tok * kVecs + v + 32 * h] = bf16x8_of(acc);
+        y[(int64_t)tok * kVecs + v + 32 * h] = mok::pack8(acc);
       }
     }
   }
