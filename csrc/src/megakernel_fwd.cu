@@ -257,9 +257,13 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     const int first_late = first_late_block(plan);
     const int64_t late_from =
         (int64_t)p.rank * p.L + (first_late < plan.n_blocks ? expert_of_row(p.offsets, p.L, first_late * kBlockRows) : p.L);
+    // Without the early sum nobody reads the early flags before the combine-done flags: the
+    // warpgroups count their early halves only with the rest, at the end (no system fence in the
+    // middle of the launch).
+    const int early_record = p.early_sum ? early_position(plan) * (p.pairs ? 2 : 1) : INT32_MAX;
     sh.delivery = DeliveryArgs{p.counters, p.status,           p.signal_bases,       sh.epoch,
                                p.P,        p.rank,             fc2_arrivals(plan),   early_arrivals(plan),
-                               early_position(plan) * (p.pairs ? 2 : 1), late_from};
+                               early_record, late_from};
     ring1.init_barriers();
     g::mbar_init(&sh.mail, 1);
     g::mbar_fence_init();
@@ -299,8 +303,8 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
       raise_combine_done(p.signal_bases, p.P, p.rank, sh.epoch);
   }
   // A comm CTA whose pull queue is empty (every block is pulled or being pulled), or that has
-  // reached comm_pull_limit (by default without training copies: right after the first pulls;
-  // the compute CTAs' helpers serve the pull queue), joins the compute CTAs on what is left of
+  // reached comm_pull_limit (by default right after the first pulls: the compute CTAs' helpers
+  // serve the pull queue), joins the compute CTAs on what is left of
   // the compute queue. It holds compute items only after its last pull, and a compute item
   // waits only for earlier positions' work, so this adds no cycle of waits.
   if (!comm_cta || p.comm_joins) {
@@ -362,9 +366,8 @@ bool bulk_copies_enabled() {
 // (block_order_for);
 // MOK_MEGAKERNEL_COMM_JOINS=0 keeps the comm CTAs off the compute queue;
 // MOK_MEGAKERNEL_PULL_HELPERS=0 leaves the pull queue to the comm CTAs alone;
-// MOK_MEGAKERNEL_EARLY_SUM=0 leaves every token to the slot sum after the combine-done flags, =2
-// (for the tests) has the early sum take every unit it may, past the combine-done flags
-// (early_sum_mode).
+// MOK_MEGAKERNEL_EARLY_SUM=1 turns the early sum on (off by default), =2 (for the tests) has it
+// take every unit it may, past the combine-done flags (early_sum_mode).
 bool env_flag(const char* name, bool fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == 0) return fallback;
@@ -392,22 +395,24 @@ int block_order_for() {
   return std::strtol(v, nullptr, 10) <= 0 ? kLayoutOrder : kZigzag;
 }
 
-// MOK_MEGAKERNEL_EARLY_SUM: unset or 1 kEarlySum, 0 kNoEarlySum, 2 kEarlySumAll (slot_sum.cuh).
+// MOK_MEGAKERNEL_EARLY_SUM: unset or 0 kNoEarlySum, 1 kEarlySum, 2 kEarlySumAll (slot_sum.cuh).
+// Off by default since the twentieth session: under the 700 W cap the early reads beside the last
+// tiles cost more clock than the shorter tail gives back (0.07-0.12 ms slower at 48 experts per
+// GPU, 0.05-0.09 at 6, paired on two machines).
 int early_sum_mode() {
   const char* v = std::getenv("MOK_MEGAKERNEL_EARLY_SUM");
-  if (v == nullptr || *v == 0) return kEarlySum;
+  if (v == nullptr || *v == 0) return kNoEarlySum;
   const long n = std::strtol(v, nullptr, 10);
   return n <= 0 ? kNoEarlySum : (n >= 2 ? kEarlySumAll : kEarlySum);
 }
 
 // MOK_MEGAKERNEL_COMM_PULL_LIMIT: pull-queue positions the comm CTAs may take before they join
-// the compute queue (the pull helpers serve all of it), for comparison; unset: none in a launch
-// without training copies (the comm CTAs join the compute CTAs right after the first pulls:
-// -0.03 to -0.16 ms, nineteenth session), no limit in one with them (their pulls move twice the
-// bytes; not measured with the limit yet).
-int comm_pull_limit_for(bool training_copies) {
+// the compute queue (the pull helpers serve all of it), for comparison; unset: none (the comm
+// CTAs join the compute CTAs right after the first pulls: -0.08 to -0.11 ms per call without
+// grad, nineteenth session, -0.14 to -0.25 with the training copies, twentieth).
+int comm_pull_limit() {
   const char* v = std::getenv("MOK_MEGAKERNEL_COMM_PULL_LIMIT");
-  if (v == nullptr || *v == 0) return training_copies ? INT32_MAX : 0;
+  if (v == nullptr || *v == 0) return 0;
   const long n = std::strtol(v, nullptr, 10);
   return n < 0 ? 0 : (n > INT32_MAX ? INT32_MAX : (int)n);
 }
@@ -685,7 +690,7 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.pull_helpers = env_flag("MOK_MEGAKERNEL_PULL_HELPERS", true) ? 1 : 0;
   // Without the helpers nobody else serves the pull queue: the comm CTAs take all of it (and
   // with comm CTAs that never join the compute CTAs, a limit would only idle them).
-  p.comm_pull_limit = p.pull_helpers && p.comm_joins ? comm_pull_limit_for(a.save_x != nullptr) : INT32_MAX;
+  p.comm_pull_limit = p.pull_helpers && p.comm_joins ? comm_pull_limit() : INT32_MAX;
   p.early_sum = a.K <= kEarlyMaxTopk && a.P <= kEarlyMaxRanks ? early_sum_mode() : 0;
   p.late_minibatches = late_minibatches_for();
   const bool want_pairs = env_flag("MOK_MEGAKERNEL_PAIRS", a.pairs != 0);

@@ -4,7 +4,8 @@
 // or NaN everywhere when the status word holds any flag (a failed exchange never yields
 // plausible numbers). Work comes in units of a quarter of a token's row, taken by warps from
 // atomic counters, with no CTA-wide barrier, so warps that get here first take more of them.
-// Two phases:
+// Two phases (the early one only when SumArgs::early asks for it; off by default, see
+// early_sum_mode):
 //   early: once every rank has raised its "early delivered" flag (the output rows of all of
 //     its minibatches but the last kLateMinibatches are home, push.cuh), warps with nothing
 //     else left sum the tokens none of whose slots come from those late minibatches of any rank
