@@ -51,7 +51,8 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_mok import MoKConfig  # noqa: E402
 from megatron_mok.bench.routing import ROUTINGS, RoutingSpec, make_routing  # noqa: E402
-from megatron_mok.bench.timing import BLOCK_ORDER, block_rounds, interleaved_rounds  # noqa: E402
+from megatron_mok.bench.timing import (BLOCK_ORDER, b_minus_a, block_rounds, blocks_by_position,  # noqa: E402
+                                       interleaved_rounds)
 from megatron_mok.bench.tune import Candidate  # noqa: E402
 from megatron_mok.functional import check_errors, megakernel_backend, mok_moe  # noqa: E402
 from megatron_mok.ops import megakernel as mk_ops  # noqa: E402
@@ -428,9 +429,12 @@ def ab_timing(variants, rounds: int, distributed: bool, rank: int, label: str, b
         check_errors()
         if rank == 0:
             a, b = statistics.median(times[na]), statistics.median(times[nb])
+            blocks = blocks_by_position(times[na], times[nb], rounds)
             print(f"{label}: {na} {a:.3f} ms, {nb} {b:.3f} ms (medians of {BLOCK_ORDER.count('A')} x {rounds} calls "
                   f"in blocks {BLOCK_ORDER} after {2 * blocks_warmup} alternating untimed calls, each block after "
-                  f"{blocks_warmup} untimed ones, slowest rank); {nb} - {na}: {b - a:+.3f} ms; "
+                  f"{blocks_warmup} untimed ones, slowest rank); {nb} - {na}: {b - a:+.3f} ms, on block medians "
+                  f"without the first block {b_minus_a(blocks, skip_first=True):+.3f} ms (correct it for the "
+                  f"blocks' positions over several runs: scripts/ab_positions.py); "
                   f"{block_medians(times, rounds)}", flush=True)
         return
     times = interleaved_rounds(variants, rounds, group, device)

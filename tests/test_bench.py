@@ -5,6 +5,7 @@ that write the JSON, PNG and Markdown outputs."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -534,6 +535,67 @@ def test_block_rounds_time_blocks_in_thue_morse_order_after_preheat_and_warmup()
         block_rounds(variants, 1, None, torch.device("cpu"), order="AAA")
     with pytest.raises(ValueError, match="would merge"):
         block_rounds([variants[0], variants[0]], 1, None, torch.device("cpu"))
+
+
+def test_block_differences_put_blocks_back_in_order_and_correct_for_positions():
+    from megatron_mok.bench.timing import b_minus_a, blocks_by_position, position_corrected
+
+    # Two calls per block, the block's median between them; A ran at positions 1 4 6 7, B at 2 3 5 8.
+    spread = lambda blocks: sum(([m - 0.01, m + 0.01] for m in blocks), [])
+    blocks = blocks_by_position(spread([6.2, 5.8, 5.7, 5.7]), spread([5.6, 5.6, 5.7, 5.8]), 2)
+    assert blocks == pytest.approx([6.2, 5.6, 5.6, 5.8, 5.7, 5.7, 5.7, 5.8])
+    assert b_minus_a(blocks) == pytest.approx(5.675 - 5.85)
+    assert b_minus_a(blocks, skip_first=True) == pytest.approx(5.675 - (5.8 + 5.7 + 5.7) / 3)
+    with pytest.raises(ValueError, match="expected 4 blocks x 2 rounds"):
+        blocks_by_position([1.0] * 7, [1.0] * 8, 2)
+    # Runs that share a position profile (first block slow, second and third fast) and differ by
+    # B - A of 0, +0.1, -0.1 and +0.2: the correction recovers those, where the raw means do not.
+    profile = [0.3, -0.15, -0.12, 0.05, 0.05, -0.1, -0.08, 0.05]
+    effects = [0.0, 0.1, -0.1, 0.2]
+    runs = [[5.5 + p + (e if letter == "B" else 0.0) for p, letter in zip(profile, "ABBABAAB")] for e in effects]
+    raw = [b_minus_a(r) for r in runs]
+    assert raw == pytest.approx([e - 0.085 for e in effects])  # B's positions run 0.085 ms faster here
+    corrected = position_corrected(runs)
+    # The other runs' own effects stay in their profile: exact up to their mean effect's share.
+    for got, e, i in zip(corrected, effects, range(4)):
+        others = sum(effects) - e
+        assert got == pytest.approx(e - others / 3, abs=1e-9)
+    assert [b - a for a, b in zip(corrected, corrected[1:])] == pytest.approx(
+        [(b - a) * 4 / 3 for a, b in zip(effects, effects[1:])])
+    with pytest.raises(ValueError, match="at least three"):
+        position_corrected(runs[:2])
+
+
+def test_ab_positions_script_reads_paired_runs_and_skips_bound_lines(capsys, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "ab_positions.py"
+    spec = importlib.util.spec_from_file_location("ab_positions", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    text = "\n".join([
+        "# a comment",
+        "L=48 ::: X=1 5.7 ms, X=0 5.6 ms (...); X=1 by block 6.2 5.8 5.7 5.7; X=0 by block 5.6 5.6 5.7 5.8",
+        "L=48 settings: :: 5.7 ms, 10:: 5.7 ms (...); :: by block 6.1 5.8 5.7 5.7; 10:: by block 5.6 5.6 5.9 5.8",
+        "L=48 ::: Y=a 5.8 ms (...); Y=a by block 6.0 5.9 5.8 5.8; Y=b by block 5.7 5.7 5.8 5.8",
+        "L=48 ::: megakernel 5.8 ms, torch (...); ratio 1.16x; "
+        "megakernel by block 5.7 5.8 5.8 5.8; torch by block 5.0 5.1 5.0 5.0",
+        "L=6-grad ::: Z=1 by block 5.0 5.1 5.2 5.1; Z=0 by block 5.0 5.2 5.0 5.1",
+    ])
+    runs = script.parse_runs(text)
+    assert sorted(runs) == ["L=48", "L=6-grad"] and len(runs["L=48"]) == 3  # the bound line is skipped
+    label, blocks = runs["L=48"][1]
+    assert label == ":: against 10::" and blocks == [6.1, 5.6, 5.6, 5.8, 5.9, 5.7, 5.7, 5.8]
+    lines = script.report(runs)
+    assert len(lines) == 5 and "needs three or more" in lines[-1]
+    assert lines[1].startswith("L=48 | X=1 against X=0 | -0.175 | -0.058 |")
+    monkeypatch.setattr("sys.stdin", io.StringIO("L=48 ::: nothing paired here\n"))
+    assert script.main([]) == 2
+    assert "no paired block runs" in capsys.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    assert script.main([]) == 0
+    assert capsys.readouterr().out.splitlines() == lines
 
 
 def test_back_to_back_rounds_time_each_call_from_the_previous_end():

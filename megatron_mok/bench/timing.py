@@ -203,6 +203,65 @@ at positions summing to the same and with the same sum of squares, so a drift th
 quadratic in time cancels (A B B A cancels only a linear one)."""
 
 
+def blocks_by_position(times_a: Sequence[float], times_b: Sequence[float], rounds: int,
+                       order: str = BLOCK_ORDER) -> List[float]:
+    """The block medians (ms) of :func:`block_rounds`' times of two variants, each a flat list of
+    ``rounds`` calls per block in call order, put back in the order the blocks ran (``order``).
+
+    Raises ValueError when a list does not hold ``rounds`` calls for each of its variant's
+    blocks in ``order``."""
+    medians = {}
+    for letter, times in (("A", times_a), ("B", times_b)):
+        n_blocks = order.count(letter)
+        if rounds < 1 or len(times) != n_blocks * rounds:
+            raise ValueError(f"variant {letter}: {len(times)} times, expected {n_blocks} blocks x {rounds} rounds")
+        medians[letter] = [statistics.median(times[i * rounds:(i + 1) * rounds]) for i in range(n_blocks)]
+    seen = {"A": 0, "B": 0}
+    out = []
+    for letter in order:
+        out.append(medians[letter][seen[letter]])
+        seen[letter] += 1
+    return out
+
+
+def b_minus_a(blocks: Sequence[float], order: str = BLOCK_ORDER, skip_first: bool = False) -> float:
+    """Mean of B's blocks minus mean of A's (ms), ``blocks`` being block medians in the order
+    they ran; ``skip_first`` leaves out the first block (after the preheat it runs slow
+    whichever variant it is: docs/perf-notes.md, seventeenth session)."""
+    if len(blocks) != len(order):
+        raise ValueError(f"{len(blocks)} blocks for the order {order!r}")
+    pairs = list(zip(order, blocks))[1 if skip_first else 0:]
+    a = [m for letter, m in pairs if letter == "A"]
+    b = [m for letter, m in pairs if letter == "B"]
+    return statistics.fmean(b) - statistics.fmean(a)
+
+
+def position_corrected(runs: Sequence[Sequence[float]], order: str = BLOCK_ORDER,
+                       skip_first: bool = False) -> List[float]:
+    """B - A (ms) of each of several block runs at one load, corrected for where their blocks
+    ran: every position has an offset common to the runs (at 48 experts per GPU the blocks at
+    positions 2 and 3, both B, ran ~0.14 ms faster than their run's mean, on every machine:
+    docs/perf-notes.md, twentieth session, section 4), so from each run the mean profile of the
+    *other* runs (each block minus its run's mean) is subtracted before the difference is taken.
+    The profile holds the other runs' own differences too, so the more runs, and the more
+    varied their changes, the better; needs at least three.
+
+    Args:
+        runs: per run, the block medians (ms) in the order they ran (:func:`blocks_by_position`).
+    """
+    if len(runs) < 3:
+        raise ValueError(f"{len(runs)} runs: a position profile needs at least three")
+    if any(len(r) != len(order) for r in runs):
+        raise ValueError(f"every run must hold {len(order)} blocks for the order {order!r}")
+    deviations = [[m - statistics.fmean(r) for m in r] for r in runs]
+    out = []
+    for i, run in enumerate(runs):
+        others = [d for j, d in enumerate(deviations) if j != i]
+        profile = [statistics.fmean(d[p] for d in others) for p in range(len(order))]
+        out.append(b_minus_a([m - q for m, q in zip(run, profile)], order, skip_first))
+    return out
+
+
 def block_rounds(variants: Sequence[Tuple[str, Callable[[], object]]], rounds: int,
                  group: Optional[dist.ProcessGroup], device: torch.device, *, warmup: int = 100,
                  setup: Optional[Callable[[], None]] = None, order: str = BLOCK_ORDER,
