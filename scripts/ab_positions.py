@@ -23,7 +23,7 @@ from typing import Dict, List, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_mok.bench.timing import BLOCK_ORDER, b_minus_a, position_corrected  # noqa: E402
+from megatron_mok.bench.timing import BLOCK_ORDER, b_minus_a, blocks_by_position, position_corrected  # noqa: E402
 
 BLOCKS = re.compile(r"(?:^|; )([^;]*?) by block ((?:\d+\.\d+ ?)+)")
 
@@ -44,9 +44,7 @@ def parse_runs(text: str) -> Dict[str, List[Tuple[str, List[float]]]]:
         (name_a, a), (name_b, b) = [(name.strip(), [float(v) for v in values.split()]) for name, values in found]
         if (len(a), len(b)) != (n_a, n_b):
             continue
-        blocks, seen = [], {"A": iter(a), "B": iter(b)}
-        for letter in BLOCK_ORDER:
-            blocks.append(next(seen[letter]))
+        blocks = blocks_by_position(a, b, 1)  # one "call" per block: its median
         load = re.match(r"\s*(L=[^\s:]+)", line)
         runs[load.group(1) if load else "?"].append((f"{name_a or '(default)'} against {name_b or '(default)'}",
                                                      blocks))
