@@ -631,3 +631,67 @@ def test_interleaved_rounds_alternate_the_order_and_drop_the_warmup():
     assert setups == list(range(10))  # before every call, untimed
     assert sorted(times) == ["a", "b"] and len(times["a"]) == len(times["b"]) == 3
     assert all(t >= 2.0 for t in times["b"]) and all(0 <= t < 2.0 for t in times["a"])
+
+
+def _ncu_bytes_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "ncu_bytes.py"
+    spec = importlib.util.spec_from_file_location("ncu_bytes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ncu_csv(kernels, clock=True):
+    """An `ncu --csv --page raw` output: program output, the header, the units row, one row per
+    (name, ns, read, written, l2, pct[, hz])."""
+    cols = ["ID", "Kernel Name", "dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum",
+            "lts__t_bytes.sum", "sm__throughput.avg.pct_of_peak_sustained_elapsed"]
+    cols += ["sm__cycles_elapsed.avg.per_second"] if clock else []
+    lines = ["rank 0/1: torch._grouped_mm fc1 + fc2 alone", "==PROF== Disconnected",
+             ",".join(f'"{c}"' for c in cols), ",".join(['""', '""', '"byte"', '"byte"', '"ns"', '"byte"', '"%"']
+                                                         + (['"hz"'] if clock else []))]
+    for i, (name, ns, rd, wr, l2, pct, hz) in enumerate(kernels):
+        vals = [str(i), name, f"{rd:,}", f"{wr:,}", f"{ns:,}", f"{l2:,}", str(pct)] + ([f"{hz:,}"] if clock else [])
+        lines.append(",".join(f'"{v}"' for v in vals))
+    return "\n".join(lines) + "\n"
+
+
+def test_ncu_bytes_summary_pairs_torch_launches_and_takes_medians():
+    """scripts/ncu_bytes.py: CUTLASS launches alternate fc1, fc2 and are summed per call; the
+    megakernel's launches give medians; the clock is weighted by time; units are converted."""
+    mod = _ncu_bytes_module()
+    gemm, mk = "void device_kernel<enable_3x_kernel_for_sm90>", "<unnamed>::forward_kernel(<unnamed>::KernelParams)"
+    kernels = [(gemm, 3_000_000, 5_000_000_000, 200_000_000, 20_000_000_000, 90.0, 1.5e9),
+               (gemm, 1_000_000, 2_000_000_000, 500_000_000, 10_000_000_000, 80.0, 1.7e9)] * 3
+    kernels[4] = (gemm, 3_200_000, 5_000_000_000, 200_000_000, 20_000_000_000, 90.0, 1.5e9)
+    kernels += [(mk, t, 8_000_000_000, 1_200_000_000, 37_000_000_000, 77.0, 1.4e9) for t in (4_500_000, 4_600_000, 9_000_000)]
+    summary = mod.summarize(mod.read_ncu_csv(_ncu_csv(kernels)))
+    assert set(summary) == {"megakernel", "torch fc1", "torch fc2", "torch fc1 + fc2"}
+    assert summary["megakernel"]["time_ms"] == pytest.approx(4.6)
+    assert summary["megakernel"]["dram_read_gb"] == pytest.approx(8.0)
+    assert summary["torch fc1"]["time_ms"] == pytest.approx(3.0)
+    assert summary["torch fc2"]["dram_write_gb"] == pytest.approx(0.5)
+    both = summary["torch fc1 + fc2"]
+    assert both["time_ms"] == pytest.approx(4.0) and both["dram_read_gb"] == pytest.approx(7.0)
+    assert both["l2_gb"] == pytest.approx(30.0)
+    assert both["sm_pct"] == pytest.approx((90 * 3 + 80 * 1) / 4)
+    assert both["clock_mhz"] == pytest.approx((1500 * 3 + 1700 * 1) / 4)
+    text = mod.format_summary(summary)
+    assert "megakernel: 4.600 ms, DRAM read 8.00 GB" in text and "SM clock 1400 MHz" in text
+
+
+def test_ncu_bytes_rejects_missing_metrics_and_unpaired_launches():
+    mod = _ncu_bytes_module()
+    gemm = "void device_kernel<x>"
+    no_clock = mod.read_ncu_csv(_ncu_csv([(gemm, 1000, 1, 1, 1, 1.0, 1.0)] * 2, clock=False))
+    assert "clock_mhz" not in no_clock[0] and "SM clock" not in mod.format_summary(mod.summarize(no_clock))
+    with pytest.raises(ValueError, match="expected fc1 and fc2"):
+        mod.summarize(mod.read_ncu_csv(_ncu_csv([(gemm, 1000, 1, 1, 1, 1.0, 1.0)] * 3)))
+    with pytest.raises(ValueError, match="no ncu CSV header"):
+        mod.read_ncu_csv("just the program's output\n")
+    text = _ncu_csv([(gemm, 1000, 1, 1, 1, 1.0, 1.0)] * 2).replace("lts__t_bytes.sum", "lts__other")
+    with pytest.raises(ValueError, match="lts__t_bytes.sum"):
+        mod.read_ncu_csv(text)

@@ -1073,12 +1073,14 @@ COPIES_ENV = "MOK_MEGAKERNEL_COPIES"
 SWITCHES_OFF = {"MOK_MEGAKERNEL_HALF_A": "0", "MOK_MEGAKERNEL_FIRST_PULL": "0", "MOK_MEGAKERNEL_PAIRS": "0",
                 "MOK_MEGAKERNEL_BLOCK_ORDER": "0", "MOK_MEGAKERNEL_COMM_JOINS": "0",
                 "MOK_MEGAKERNEL_PULL_HELPERS": "0",
-                "MOK_MEGAKERNEL_FIRST_GROUP": "0", "MOK_MEGAKERNEL_COMM_PULL_LIMIT": "2147483647"}
+                "MOK_MEGAKERNEL_FIRST_GROUP": "0", "MOK_MEGAKERNEL_COMM_PULL_LIMIT": "2147483647",
+                "MOK_MEGAKERNEL_RELAXED_POLLS": "0"}
 """The launch's other comparison switches, off: every tile loads all 128 rows of A; no first
 pulls in parts (the comm CTAs pull every block); single CTAs instead of clusters of two sharing
 the weight tiles; every expert's blocks in layout order instead of zigzag; the comm CTAs stay
 off the compute queue; the compute CTAs' idle producer warps do not pull; compute CTAs pull
-parts of the whole first minibatch and the helpers none; the comm CTAs serve the whole pull queue before they join the compute queue."""
+parts of the whole first minibatch and the helpers none; the comm CTAs serve the whole pull queue before they join the compute queue; every try of a
+wait acquires (instead of relaxed tries and one acquire)."""
 SETTINGS = [(2, 128, 256), (2, 256, 1024), (4, 512, 1024), (3, 384, 1536), (None, None, None)]
 
 
@@ -1129,7 +1131,7 @@ def test_megakernel_is_bitwise_identical_across_settings(virtual, monkeypatch):
     _check_against_oracle(case, results[0], f"settings {SETTINGS[0]}")
     for setting, res in zip(SETTINGS[1:] + ["register copies",
                                             "half-A loads, first pulls, pairs, zigzag, comm joining, pull helpers, "
-                                            "early sum off"],
+                                            "first group, comm pull limit, relaxed polls off"],
                             results[1:]):
         _assert_equal_runs(results[0], res, f"settings {SETTINGS[0]} vs {setting}")
 

@@ -68,6 +68,7 @@ struct KernelParams {
   int late_minibatches;  // the last minibatches the early sum waits out (Plan::late_minibatches)
   int first_group;       // Plan::first_group
   int comm_pull_limit;   // pull-queue positions a comm CTA may take (the helpers take the rest)
+  int relaxed_polls;     // Deadline::relaxed_polls
 };
 
 // Shared memory after the stage ring (whose plan is Fc1Cfg::kSmemBytes, alignment included).
@@ -92,7 +93,7 @@ static_assert(kCopyWarps * kCopyWarpBytes <= Fc1Cfg::kStages * Fc1Cfg::kStageByt
               "the comm CTAs' copy chunks fit the GEMM stage area");
 
 __device__ __forceinline__ Deadline deadline_of(const KernelParams& p) {
-  return Deadline{p.status, p.timeout_ns, p.rank};
+  return Deadline{p.status, p.timeout_ns, p.rank, p.relaxed_polls};
 }
 
 // The next position of a queue if it is below `limit` (it is then taken), else `limit`. Others
@@ -367,7 +368,8 @@ bool bulk_copies_enabled() {
 // MOK_MEGAKERNEL_COMM_JOINS=0 keeps the comm CTAs off the compute queue;
 // MOK_MEGAKERNEL_PULL_HELPERS=0 leaves the pull queue to the comm CTAs alone;
 // MOK_MEGAKERNEL_EARLY_SUM=1 turns the early sum on (off by default), =2 (for the tests) has it
-// take every unit it may, past the combine-done flags (early_sum_mode).
+// take every unit it may, past the combine-done flags (early_sum_mode);
+// MOK_MEGAKERNEL_RELAXED_POLLS=0 has every try of a wait acquire (Deadline::relaxed_polls).
 bool env_flag(const char* name, bool fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == 0) return fallback;
@@ -693,6 +695,7 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.comm_pull_limit = p.pull_helpers && p.comm_joins ? comm_pull_limit() : INT32_MAX;
   p.early_sum = a.K <= kEarlyMaxTopk && a.P <= kEarlyMaxRanks ? early_sum_mode() : 0;
   p.late_minibatches = late_minibatches_for();
+  p.relaxed_polls = env_flag("MOK_MEGAKERNEL_RELAXED_POLLS", true) ? 1 : 0;
   const bool want_pairs = env_flag("MOK_MEGAKERNEL_PAIRS", a.pairs != 0);
 
   int64_t grid = 0;

@@ -33,6 +33,15 @@ __device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* p) {
   return v;
 }
 
+// A strong load without ordering: on sm_90 an acquire load is followed by an invalidation of the
+// SM's L1 (CCTL.IVALL in the SASS); a poll that spins on relaxed loads and acquires once, after
+// it has seen the value, invalidates once per wait instead of once per try.
+__device__ __forceinline__ int32_t ld_relaxed_gpu(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void red_release_gpu_add(int32_t* p, int32_t v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -46,6 +55,12 @@ __device__ __forceinline__ int32_t atom_add_acq_rel_gpu(int32_t* p, int32_t v) {
 __device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t ld_relaxed_sys_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 
@@ -64,11 +79,12 @@ __device__ __forceinline__ int32_t ld_volatile(const int32_t* p) {
   return *reinterpret_cast<const volatile int32_t*>(p);
 }
 
-// Where a launch reports problems, and how long it waits.
+// Where a launch reports problems, and how long and how it waits.
 struct Deadline {
   int32_t* status;     // int32 [MOK_STATUS_WORDS]
   int64_t timeout_ns;
   int rank;
+  int relaxed_polls;   // 1: a wait's repeated tries load relaxed and the wait acquires once at the end
 };
 
 __device__ __forceinline__ bool timeout_recorded(const int32_t* status) {
@@ -95,7 +111,12 @@ __device__ __forceinline__ bool wait_counter(const int32_t* counter, int32_t tar
   const uint64_t start = globaltimer_ns();
   for (uint32_t spin = 1;; ++spin) {
     __nanosleep(32);
-    if (ld_acquire_gpu(counter) >= target) return true;
+    if (d.relaxed_polls) {
+      // Coherence: the acquire reads this value or a later one of the (only growing) counter.
+      if (ld_relaxed_gpu(counter) >= target) return ld_acquire_gpu(counter) >= target;
+    } else if (ld_acquire_gpu(counter) >= target) {
+      return true;
+    }
     if ((spin & 15u) == 0) {
       if (timeout_recorded(d.status)) return false;
       if ((int64_t)(globaltimer_ns() - start) > d.timeout_ns) {
@@ -114,7 +135,11 @@ __device__ __forceinline__ bool wait_flag_sys(const uint64_t* flag, uint64_t tar
   const uint64_t start = globaltimer_ns();
   for (uint32_t spin = 1;; ++spin) {
     __nanosleep(100);
-    if (ld_acquire_sys_u64(flag) >= target) return true;
+    if (d.relaxed_polls) {
+      if (ld_relaxed_sys_u64(flag) >= target) return ld_acquire_sys_u64(flag) >= target;
+    } else if (ld_acquire_sys_u64(flag) >= target) {
+      return true;
+    }
     if ((spin & 15u) == 0) {
       if (timeout_recorded(d.status)) return false;
       if ((int64_t)(globaltimer_ns() - start) > d.timeout_ns) {
