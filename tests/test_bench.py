@@ -695,3 +695,32 @@ def test_ncu_bytes_rejects_missing_metrics_and_unpaired_launches():
     text = _ncu_csv([(gemm, 1000, 1, 1, 1, 1.0, 1.0)] * 2).replace("lts__t_bytes.sum", "lts__other")
     with pytest.raises(ValueError, match="lts__t_bytes.sum"):
         mod.read_ncu_csv(text)
+
+
+def test_call_kernels_splits_the_profile_at_each_megakernel():
+    """scripts/call_kernels.py: the work between two megakernels is one call's; medians per
+    kernel name and of the gaps; too few megakernels is an error."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "call_kernels.py"
+    spec = importlib.util.spec_from_file_location("call_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    events, t = [], 0.0
+    for call, publish_us in enumerate([28.0, 30.0, 29.0]):
+        events += [("Memcpy DtoH", t + 2, t + 4), ("publish_kernel", t + 12, t + 12 + publish_us),
+                   ("forward_kernel(KernelParams)", t + 50, t + 5050)]
+        t += 5050
+    summary = mod.per_call(events, "forward_kernel")
+    assert summary["calls"] == 2
+    # From the end of call 0's megakernel (5050) to call 1's start (5100): 50 us; idle before the copy 2 us.
+    assert summary["between_us"] == pytest.approx(50.0) and summary["idle_us"] == pytest.approx(2.0)
+    assert summary["marker_us"] == pytest.approx(5000.0) and summary["period_us"] == pytest.approx(5050.0)
+    kernels = {name: (n, us) for name, n, us in summary["kernels"]}
+    assert kernels["publish_kernel"] == (2, pytest.approx(29.5)) and kernels["Memcpy DtoH"] == (2, pytest.approx(2.0))
+    assert [name for name, _, _ in summary["kernels"]] == ["Memcpy DtoH", "publish_kernel", "forward_kernel(KernelParams)"]
+    text = mod.format_per_call(summary, "rank 0/2 L=48")
+    assert "medians over 2" in text and "publish_kernel: 2 launches, 29.5 us" in text
+    with pytest.raises(ValueError, match="need two calls"):
+        mod.per_call(events[:3], "forward_kernel")
