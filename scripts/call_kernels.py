@@ -6,7 +6,7 @@ next call's, and each kernel's and copy's median duration.
     python scripts/call_kernels.py --experts 48                          (P = 1)
 
 The work between the persistent kernels of two calls (publish, barrier, schedule, reset, the
-status copy) is the part of a call that the kernel's own timeline does not show
+status mirror) is the part of a call that the kernel's own timeline does not show
 (docs/perf-notes.md, twenty-first session). Needs the CUDA library (an sm_90 GPU).
 """
 
@@ -28,7 +28,9 @@ def per_call(events: Sequence[Event], marker: str) -> Dict[str, object]:
     marker's end to the next marker's start), "marker_us" (the next marker's duration),
     "period_us" (marker end to marker end), "calls" (how many), and "kernels": (name, launches,
     median duration) for every event between two markers, the marker included, in the order
-    they first ran. Raises ValueError with fewer than two markers."""
+    they first ran; a name's second and later launches within one call are counted apart, as
+    "name [2]" and so on (a kernel that runs twice a call does not mix its two launches'
+    durations). Raises ValueError with fewer than two markers."""
     marks = [i for i, (name, _, _) in enumerate(events) if marker in name]
     if len(marks) < 2:
         raise ValueError(f"{len(marks)} events named like {marker!r}: need two calls or more")
@@ -40,8 +42,11 @@ def per_call(events: Sequence[Event], marker: str) -> Dict[str, object]:
         between.append(events[b][1] - end)
         marker_us.append(events[b][2] - events[b][1])
         period.append(events[b][2] - end)
+        seen: Dict[str, int] = {}
         for name, start, stop in events[a + 1:b + 1]:
-            durations.setdefault(name, []).append(stop - start)
+            seen[name] = seen.get(name, 0) + 1
+            key = name if seen[name] == 1 else f"{name} [{seen[name]}]"
+            durations.setdefault(key, []).append(stop - start)
     return {"idle_us": statistics.median(idle), "between_us": statistics.median(between),
             "marker_us": statistics.median(marker_us), "period_us": statistics.median(period),
             "calls": len(marks) - 1,

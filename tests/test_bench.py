@@ -710,7 +710,7 @@ def test_call_kernels_splits_the_profile_at_each_megakernel():
     events, t = [], 0.0
     for call, publish_us in enumerate([28.0, 30.0, 29.0]):
         events += [("Memcpy DtoH", t + 2, t + 4), ("publish_kernel", t + 12, t + 12 + publish_us),
-                   ("forward_kernel(KernelParams)", t + 50, t + 5050)]
+                   ("publish_kernel", t + 13, t + 16), ("forward_kernel(KernelParams)", t + 50, t + 5050)]
         t += 5050
     summary = mod.per_call(events, "forward_kernel")
     assert summary["calls"] == 2
@@ -719,7 +719,9 @@ def test_call_kernels_splits_the_profile_at_each_megakernel():
     assert summary["marker_us"] == pytest.approx(5000.0) and summary["period_us"] == pytest.approx(5050.0)
     kernels = {name: (n, us) for name, n, us in summary["kernels"]}
     assert kernels["publish_kernel"] == (2, pytest.approx(29.5)) and kernels["Memcpy DtoH"] == (2, pytest.approx(2.0))
-    assert [name for name, _, _ in summary["kernels"]] == ["Memcpy DtoH", "publish_kernel", "forward_kernel(KernelParams)"]
+    assert kernels["publish_kernel [2]"] == (2, pytest.approx(3.0))  # a second launch in a call, counted apart
+    assert [name for name, _, _ in summary["kernels"]] == ["Memcpy DtoH", "publish_kernel", "publish_kernel [2]",
+                                                          "forward_kernel(KernelParams)"]
     text = mod.format_per_call(summary, "rank 0/2 L=48")
     assert "medians over 2" in text and "publish_kernel: 2 launches, 29.5 us" in text
     with pytest.raises(ValueError, match="need two calls"):

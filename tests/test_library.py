@@ -58,6 +58,7 @@ SCHEDULE_SWEEP = [
     (4, [77, 0, 513, 64], 6, 4, "unused", 64),
     (5, [8192, 8192], 3, 8, "duplicates", 128),
     (6, [129, 1], 48, 2, "empty", 64),
+    (7, [8192, 8192, 4100], 5, 8, "uniform", 128),  # 387 units, 25 of the scan's chunks of 16 per expert
 ]
 
 
@@ -120,3 +121,32 @@ def test_mok_op_calls_eager_plain_tensors_directly_and_fakes_through_the_op():
         out = scale_rows(fake, 2.0)  # a fake tensor goes to the registered fake
     assert out.shape == (2, 3) and type(out) is not torch.Tensor
     assert len(direct_calls) == 3  # only the dispatcher call above ran the implementation
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["kernel", "copy"])
+def test_status_reaches_the_pinned_host_copy(mode, monkeypatch):
+    # The status word is mirrored to pinned host memory at the end of every call: by a kernel's
+    # stores where the memory is mapped (it is on the H200 machines: asserted, so the kernel
+    # path cannot go untested), else (and with MOK_STATUS_MIRROR=copy) by a copy.
+    from megatron_mok import MoKConfig
+    from megatron_mok.functional.workspace import get_workspace
+
+    if mode == "copy":
+        monkeypatch.setenv("MOK_STATUS_MIRROR", "copy")
+    else:
+        monkeypatch.delenv("MOK_STATUS_MIRROR", raising=False)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ws = get_workspace(None, dev, tokens=8, hidden=256, topk=2, experts_per_rank=4, config=MoKConfig(timeout_s=5.0))
+    assert ws._status_host_mapped != 0, "pinned memory is not mapped for the device"
+    for words in ([0, 7, 1, 2, 3, 0, 0, 0], [0] * 8):
+        ws.status_host.fill_(-5)  # poison: every word must be written
+        ws.status.copy_(torch.tensor(words, dtype=torch.int32))
+        ws.mirror_status()
+        torch.cuda.synchronize()
+        assert ws.status_host.tolist() == words
+
+
+def test_mirror_status_rejects_null_pointers(use_lib):
+    fn = use_lib.function("mok_mirror_status", ctypes.c_int, [ctypes.c_void_p] * 3)
+    assert fn(None, 0x10000, None) == -1 and fn(0x10000, None, None) == -1

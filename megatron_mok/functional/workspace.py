@@ -49,6 +49,8 @@ SITE_NAMES = {
         "for the fc2 tiles of the block before it)",
     11: "forward megakernel combine (waiting for every rank to push its expert outputs)",
 }
+STATUS_MIRROR_ENV = "MOK_STATUS_MIRROR"
+""""copy": the status word reaches the host by a copy-engine copy; unset: by a kernel's stores."""
 STATUS_BAD_EXPERT_ID, STATUS_TOO_MANY_TOKENS, STATUS_TIMEOUT = 1, 2, 4
 _ALIGN = 256
 
@@ -131,11 +133,13 @@ class Workspace:
         self.ntok_ptrs = as_dev([b + layout.ntok for b in bases])
         self.counter = torch.zeros(1, dtype=torch.int64, device=self.device)
         # Kernels record problems in `status` (device memory, device atomics); each call ends
-        # with an asynchronous copy into `status_host` (pinned), which the host reads at the
-        # next call without synchronising.
+        # with a kernel storing it into `status_host` (pinned, mapped), or a copy where the
+        # memory is not mapped, which the host reads at the next call without synchronising.
         self.status = torch.zeros(8, dtype=torch.int32, device=self.device)
         self.status_host = torch.zeros(8, dtype=torch.int32, pin_memory=True)
         self._status_host_view = self.status_host.numpy()  # the same memory, read without torch's indexing
+        with torch.cuda.device(self.device):
+            self._status_host_mapped = comm_ops.host_device_pointer(self.status_host)
         self.scratch = torch.empty(max(1, schedule_ops.scratch_ints(self.P, T, K, experts_per_rank)),
                                    dtype=torch.int32, device=self.device)
         self._table_rows: Dict[int, int] = {}  # schedule table capacity per tile_rows
@@ -162,8 +166,15 @@ class Workspace:
             )
 
     def mirror_status(self) -> None:
-        """Queue the copy of the device status word to the host (end of every call)."""
-        self.status_host.copy_(self.status, non_blocking=True)
+        """Queue the copy of the device status word to the host (end of every call): a kernel's
+        stores into the mapped pinned memory, ~8 us less GPU time per call than a copy-engine
+        copy (``MOK_STATUS_MIRROR=copy``, as before the twenty-second session; also under
+        torch.compile, and where the memory is not mapped)."""
+        if (self._status_host_mapped and os.environ.get(STATUS_MIRROR_ENV) != "copy"
+                and not torch.compiler.is_compiling()):
+            comm_ops.mirror_status(self.status, self._status_host_mapped)
+        else:
+            self.status_host.copy_(self.status, non_blocking=True)
 
     def raise_if_failed(self, timeout_s: float) -> None:
         """Raise the error an earlier call's kernels recorded, if any. Reads the pinned host

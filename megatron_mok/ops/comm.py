@@ -1,4 +1,5 @@
-"""Communication kernels (csrc/src/comm.cu) as custom ops: pull, push, slot sum, barrier.
+"""Communication kernels (csrc/src/comm.cu) as custom ops: pull, push, slot sum, barrier; and
+the status mirror (csrc/src/common.cu).
 
 Peer memory is passed as ``bases``: an int64 [P] device tensor of the addresses of every
 rank's copy of a symmetric buffer, plus a byte offset into it (the buffer layout is the same
@@ -26,6 +27,7 @@ def _lib():
         "push": lib.function("mok_push_rows", _i, [_v, _l, _l, _v, _v, _i, _i, _i, _v, _v, _i, _v]),
         "sum": lib.function("mok_sum_slots", _i, [_v, _v, _i, _i, _i, _i, _v, _v, _v, _v, _v]),
         "barrier": lib.function("mok_barrier", _i, [_v, _i, _i, _v, _l, _i, _v, _v]),
+        "mirror": lib.function("mok_mirror_status", _i, [_v, _v, _v]),
     }
 
 
@@ -139,3 +141,19 @@ def barrier(signal_bases: torch.Tensor, rank: int, counter: torch.Tensor, timeou
 @barrier.register_fake
 def _(signal_bases, rank, counter, timeout_ns, site, status):
     return None
+
+
+def host_device_pointer(pinned: torch.Tensor) -> int:
+    """The device address of pinned host tensor ``pinned`` for the current device, or 0 when
+    that memory is not mapped there (the caller then copies with the copy engine)."""
+    lib = load_library()
+    fn = lib.function("mok_host_device_pointer", _i, [_v, ctypes.POINTER(_v)])
+    out = _v()
+    return int(out.value or 0) if fn(pinned.data_ptr(), ctypes.byref(out)) == 0 else 0
+
+
+def mirror_status(status: torch.Tensor, host_mapped: int) -> None:
+    """Queue on ``status``'s current stream a kernel that stores the int32 [8] status word into
+    the pinned host memory at device address ``host_mapped`` (:func:`host_device_pointer`)."""
+    lib, fns = _lib()
+    lib.check(fns["mirror"](ptr(status), host_mapped, stream_of(status)), "mok_mirror_status")

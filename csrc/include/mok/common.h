@@ -5,6 +5,8 @@
 // outside what the kernel supports. mok_error_string() turns any of them into text.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
 #ifdef __cplusplus
@@ -40,3 +42,13 @@ enum MokStatusFlag {
 
 MOK_API const char* mok_error_string(int code);
 MOK_API int mok_abi_version(void);
+
+// The device address of pinned host memory (cudaHostGetDevicePointer): an error when the memory
+// is not mapped for the current device, and the caller keeps copying with the copy engine.
+MOK_API int mok_host_device_pointer(void* host, void** device);
+
+// Queue a kernel that stores the MOK_STATUS_WORDS words of `status` (device) at `host_mapped`
+// (a device address of pinned host memory, mok_host_device_pointer): the status mirror of every
+// call without a copy-engine copy, whose hand-over back to the compute engine cost the GPU ~8 us
+// per call between two calls' kernels (docs/perf-notes.md, twenty-second session).
+MOK_API int mok_mirror_status(const int32_t* status, int32_t* host_mapped, cudaStream_t stream);
