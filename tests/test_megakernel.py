@@ -214,23 +214,23 @@ def _units(n_blocks, mb, pairs):
     return sum((min(mb, n_blocks - m) + 1) // 2 for m in range(0, n_blocks, mb))
 
 
-def _queue(queue, n_blocks, mb, slots, n1, n2, pairs=False):
+def _queue(queue, n_blocks, mb, slots, n1, n2, pairs=False, group=mk.GROUP_BLOCKS):
     nf = _first_blocks(n_blocks, mb, slots)
     total = {"compute": _units(n_blocks, mb, pairs) * (n1 + n2), "first_pull": nf * mk.FIRST_PULL_PARTS,
              "pull": n_blocks - nf}[queue]
-    items = [mk.plan_item(queue, i, n_blocks, mb, slots, n1, n2, pairs) for i in range(total)]
+    items = [mk.plan_item(queue, i, n_blocks, mb, slots, n1, n2, pairs, group) for i in range(total)]
     with pytest.raises(mk.MegakernelArgumentError):
-        mk.plan_item(queue, total, n_blocks, mb, slots, n1, n2, pairs)
+        mk.plan_item(queue, total, n_blocks, mb, slots, n1, n2, pairs, group)
     return items
 
 
-def _pair_tiles(n_blocks, mb, slots, n1, n2):
+def _pair_tiles(n_blocks, mb, slots, n1, n2, group=mk.GROUP_BLOCKS):
     """The pair-mode compute queue as [[tile of the first CTA, tile of the second (if any)]], each
     tile with the wait the single-CTA plan gives its block (the kernel's CTA of rank r waits for
     block + r exactly so)."""
-    single = {item[:3]: item for item in _queue("compute", n_blocks, mb, slots, n1, n2)}
+    single = {item[:3]: item for item in _queue("compute", n_blocks, mb, slots, n1, n2, group=group)}
     out = []
-    for kind, block, col, *wait in _queue("compute", n_blocks, mb, slots, n1, n2, pairs=True):
+    for kind, block, col, *wait in _queue("compute", n_blocks, mb, slots, n1, n2, pairs=True, group=group):
         assert tuple(wait) == single[(kind, block, col)][3:]
         second = mk.pair_partner(block, n_blocks, mb)
         out.append([single[(kind, block, col)]] + ([single[(kind, second, col)]] if second is not None else []))
@@ -331,7 +331,7 @@ def test_plan_covers_every_item_once_in_the_documented_order(use_lib, n_blocks, 
 
 
 def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahead, seed, pairs=False,
-             comm_joins=False, helpers=False, stats=None, late=None, comm_pull_limit=None):
+             comm_joins=False, helpers=False, stats=None, late=None, comm_pull_limit=None, group=mk.GROUP_BLOCKS):
     """Replay the kernel's protocol: workers take queue items in order, wait for the counter
     targets the plan gives, and bump the counters the kernel bumps. Returns None when every
     item ran, else a description of the deadlock. Asserts the dependencies and the slot
@@ -355,13 +355,15 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
     or when it has nothing left, as a consumer warpgroup of the kernel does (push.cuh,
     report_early); once the count reaches the early blocks' fc2 tiles the "early delivered" flag
     goes up, and the replay asserts that every early fc2 tile is done by then and that no worker
-    counts a late one. `stats` then also gets "early_flag_at": fc2 tiles done when it went up."""
+    counts a late one. `stats` then also gets "early_flag_at": fc2 tiles done when it went up.
+    `group`: row blocks of a group, the column sweep of the compute queue and the first pulls of
+    the compute workers (MOK_MEGAKERNEL_GROUP_BLOCKS)."""
     assert comm_pull_limit is None or (helpers and comm_joins), "the kernel limits the comm CTAs only then"
     rng = random.Random(seed)
-    queues = {q: _queue(q, n_blocks, mb, slots, n1, n2) for q in ("compute", "pull", "first_pull")}
+    queues = {q: _queue(q, n_blocks, mb, slots, n1, n2, group=group) for q in ("compute", "pull", "first_pull")}
     comm_pulls = len(queues["pull"]) if comm_pull_limit is None else min(comm_pull_limit, len(queues["pull"]))
     # Compute items as lists of tiles: one tile, or the one or two tiles of a pair.
-    queues["compute"] = (_pair_tiles(n_blocks, mb, slots, n1, n2) if pairs else [[t] for t in queues["compute"]])
+    queues["compute"] = (_pair_tiles(n_blocks, mb, slots, n1, n2, group) if pairs else [[t] for t in queues["compute"]])
     nxt = {"compute": 0, "pull": 0, "first_pull": 0}
     nf = _first_blocks(n_blocks, mb, slots)
     counters = {}
@@ -438,7 +440,7 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
             if not in_first[wk]:
                 continue
             # Compute workers take parts of the first group's blocks only.
-            limit = (min(nf, mb, mk.GROUP_BLOCKS) * mk.FIRST_PULL_PARTS if wk[0] == "compute"
+            limit = (min(nf, mb, group) * mk.FIRST_PULL_PARTS if wk[0] == "compute"
                      else len(queues["first_pull"]))
             if first[wk] is not None:
                 if ready(first[wk]):
@@ -447,7 +449,7 @@ def simulate(n_blocks, mb, slots, n1, n2, comm_workers, compute_workers, lookahe
                 actions.append(("take_first", wk))
             else:
                 actions.append(("leave_first", wk))
-        group_in = all(("pull_part", b, j) in done for b in range(min(nf, mb, mk.GROUP_BLOCKS))
+        group_in = all(("pull_part", b, j) in done for b in range(min(nf, mb, group))
                        for j in range(mk.FIRST_PULL_PARTS))
         for srv in pull_servers:
             role, w = srv
@@ -550,6 +552,55 @@ def test_protocol_never_deadlocks_and_respects_dependencies(use_lib, seed):
             for limit in (0, 3):
                 assert simulate(**args, seed=seed * 10 + replay, pairs=pairs, comm_joins=True, helpers=True,
                                 comm_pull_limit=limit) is None, (args, pairs, limit)
+
+
+@pytest.mark.parametrize("group", [2, 4, 12, 16])
+@pytest.mark.parametrize("n_blocks,mb", [(5, 2), (17, 4), (40, 16), (37, 16), (50, 20)])
+def test_other_group_sizes_sweep_columns_over_groups_of_that_many_blocks(use_lib, n_blocks, mb, group):
+    """MOK_MEGAKERNEL_GROUP_BLOCKS: every tile once, the same minibatch interleaving, and inside a
+    minibatch column block by column block over groups of `group` row blocks (group / 2 pairs)."""
+    n1, n2, slots = 3, 2, 2 * mb
+    compute = _queue("compute", n_blocks, mb, slots, n1, n2, group=group)
+    assert sorted((k, b, c) for k, b, c, *_ in compute) == sorted(
+        [("fc1", b, c) for b in range(n_blocks) for c in range(n1)]
+        + [("fc2", b, c) for b in range(n_blocks) for c in range(n2)])
+    default = _queue("compute", n_blocks, mb, slots, n1, n2)
+    assert _segments(compute, mb) == _segments(default, mb)
+    # Each tile waits for what it waits for with the default groups: only the order moves.
+    assert sorted(compute) == sorted(default)
+    first_mb = min(mb, n_blocks)
+    groups = [list(range(g, min(g + group, first_mb))) for g in range(0, first_mb, group)]
+    assert [(b, c) for k, b, c, *_ in compute if k == "fc1" and b < mb] == [
+        (b, c) for grp in groups for c in range(n1) for b in grp]
+    pairs = [pair[0][:3] for pair in _pair_tiles(n_blocks, mb, slots, n1, n2, group)]
+    firsts = list(range(0, first_mb, 2))
+    pair_groups = [firsts[g:g + group // 2] for g in range(0, len(firsts), group // 2)]
+    assert [(b, c) for k, b, c in pairs if k == "fc1" and b < mb] == [
+        (b, c) for grp in pair_groups for c in range(n1) for b in grp]
+
+
+def test_plan_item_rejects_odd_or_out_of_range_group_sizes(use_lib):
+    for group in (0, 1, 3, 66):
+        with pytest.raises(mk.MegakernelArgumentError, match="group_blocks"):
+            mk.plan_item("compute", 0, 4, 2, 4, 1, 1, False, group)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_protocol_with_other_group_sizes_never_deadlocks(use_lib, seed):
+    """The protocol replay of test_protocol_never_deadlocks_and_respects_dependencies with groups
+    of 2 and 16 row blocks (MOK_MEGAKERNEL_GROUP_BLOCKS), minibatches shorter and longer than a
+    group, pair tiles, comm workers joining, pull helpers and the comm pull limit."""
+    rng = random.Random(3000 + seed)
+    mb = rng.randint(1, 4) if seed % 2 else rng.randint(9, 20)
+    n_blocks = rng.randint(1, 48)
+    args = dict(n_blocks=n_blocks, mb=mb, slots=mb * rng.randint(2, 4), n1=rng.randint(1, 4), n2=rng.randint(1, 3),
+                comm_workers=rng.randint(1, 6), compute_workers=rng.randint(1, 5), lookahead=rng.randint(1, 3))
+    for group in (2, 16):
+        for replay in range(2):
+            for pairs in (False, True):
+                for joins, helpers, limit in ((False, False, None), (True, True, None), (True, True, 0)):
+                    assert simulate(**args, seed=seed * 10 + replay, pairs=pairs, comm_joins=joins, helpers=helpers,
+                                    comm_pull_limit=limit, group=group) is None, (args, group, pairs, joins, helpers)
 
 
 def _early_sweep_case(seed: int) -> dict:
@@ -1074,13 +1125,14 @@ SWITCHES_OFF = {"MOK_MEGAKERNEL_HALF_A": "0", "MOK_MEGAKERNEL_FIRST_PULL": "0", 
                 "MOK_MEGAKERNEL_BLOCK_ORDER": "0", "MOK_MEGAKERNEL_COMM_JOINS": "0",
                 "MOK_MEGAKERNEL_PULL_HELPERS": "0",
                 "MOK_MEGAKERNEL_FIRST_GROUP": "0", "MOK_MEGAKERNEL_COMM_PULL_LIMIT": "2147483647",
-                "MOK_MEGAKERNEL_RELAXED_POLLS": "0"}
-"""The launch's other comparison switches, off: every tile loads all 128 rows of A; no first
+                "MOK_MEGAKERNEL_RELAXED_POLLS": "0", "MOK_MEGAKERNEL_GROUP_BLOCKS": "16"}
+"""The launch's other comparison switches, off (and the group size off its default): every tile
+loads all 128 rows of A; no first
 pulls in parts (the comm CTAs pull every block); single CTAs instead of clusters of two sharing
 the weight tiles; every expert's blocks in layout order instead of zigzag; the comm CTAs stay
 off the compute queue; the compute CTAs' idle producer warps do not pull; compute CTAs pull
 parts of the whole first minibatch and the helpers none; the comm CTAs serve the whole pull queue before they join the compute queue; every try of a
-wait acquires (instead of relaxed tries and one acquire)."""
+wait acquires (instead of relaxed tries and one acquire); groups of 16 row blocks instead of 8."""
 SETTINGS = [(2, 128, 256), (2, 256, 1024), (4, 512, 1024), (3, 384, 1536), (None, None, None)]
 
 
@@ -1131,7 +1183,7 @@ def test_megakernel_is_bitwise_identical_across_settings(virtual, monkeypatch):
     _check_against_oracle(case, results[0], f"settings {SETTINGS[0]}")
     for setting, res in zip(SETTINGS[1:] + ["register copies",
                                             "half-A loads, first pulls, pairs, zigzag, comm joining, pull helpers, "
-                                            "first group, comm pull limit, relaxed polls off"],
+                                            "first group, comm pull limit, relaxed polls off, groups of 16"],
                             results[1:]):
         _assert_equal_runs(results[0], res, f"settings {SETTINGS[0]} vs {setting}")
 

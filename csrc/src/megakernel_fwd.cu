@@ -69,6 +69,7 @@ struct KernelParams {
   int first_group;       // Plan::first_group
   int comm_pull_limit;   // pull-queue positions a comm CTA may take (the helpers take the rest)
   int relaxed_polls;     // Deadline::relaxed_polls
+  int group_blocks;      // Plan::group_blocks
 };
 
 // Shared memory after the stage ring (whose plan is Fc1Cfg::kSmemBytes, alignment included).
@@ -254,7 +255,7 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
     // The early sum (slot_sum.cuh): this rank's late experts start at the expert of its first
     // late block (the first of the last late_minibatches minibatches).
     const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2, p.first_minibatches, p.pairs, p.late_minibatches,
-                    p.first_group};
+                    p.first_group, p.group_blocks};
     const int first_late = first_late_block(plan);
     const int64_t late_from =
         (int64_t)p.rank * p.L + (first_late < plan.n_blocks ? expert_of_row(p.offsets, p.L, first_late * kBlockRows) : p.L);
@@ -277,7 +278,7 @@ __global__ void __launch_bounds__(g::kThreads, 1) forward_kernel(const __grid_co
   }
   __syncthreads();
   const Plan plan{sh.n_blocks, p.mb_blocks, p.slots, p.n1, p.n2, p.first_minibatches, p.pairs, p.late_minibatches,
-                    p.first_group};
+                    p.first_group, p.group_blocks};
   const int wg = threadIdx.x / 128;
   const int64_t cta_record =
       p.trace.on() ? (int64_t)compute_records(plan) + comm_items(plan) + (int64_t)blockIdx.x : (int64_t)-1;
@@ -369,7 +370,8 @@ bool bulk_copies_enabled() {
 // MOK_MEGAKERNEL_PULL_HELPERS=0 leaves the pull queue to the comm CTAs alone;
 // MOK_MEGAKERNEL_EARLY_SUM=1 turns the early sum on (off by default), =2 (for the tests) has it
 // take every unit it may, past the combine-done flags (early_sum_mode);
-// MOK_MEGAKERNEL_RELAXED_POLLS=0 has every try of a wait acquire (Deadline::relaxed_polls).
+// MOK_MEGAKERNEL_RELAXED_POLLS=0 has every try of a wait acquire (Deadline::relaxed_polls);
+// MOK_MEGAKERNEL_GROUP_BLOCKS sets the row blocks of a group (group_blocks_for).
 bool env_flag(const char* name, bool fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == 0) return fallback;
@@ -386,6 +388,16 @@ int first_minibatches_for() {
   if (v == nullptr || *v == 0) return kFirstPullMinibatches;
   const long n = std::strtol(v, nullptr, 10);
   return n < 0 ? 0 : (n > 8 ? 8 : (int)n);
+}
+
+// MOK_MEGAKERNEL_GROUP_BLOCKS: row blocks of a group (the tiles of one column sweep), for
+// comparison: unset kGroupBlocks; an even number from 2 to 64 (others: kGroupBlocks). The
+// results are bitwise the same (a tile's sums do not depend on when it runs).
+int group_blocks_for() {
+  const char* v = std::getenv("MOK_MEGAKERNEL_GROUP_BLOCKS");
+  if (v == nullptr || *v == 0) return kGroupBlocks;
+  const long n = std::strtol(v, nullptr, 10);
+  return (n >= 2 && n <= 64 && n % 2 == 0) ? (int)n : kGroupBlocks;
 }
 
 // MOK_MEGAKERNEL_BLOCK_ORDER: which layout rows a block of the queues stands for (plan.cuh,
@@ -564,12 +576,14 @@ MOK_API int64_t mok_megakernel_counter_words(int ring_slots) {
 }
 
 MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_blocks, int slots,
-                                     int n1, int n2, int pairs, int32_t* out) {
+                                     int n1, int n2, int pairs, int group_blocks, int32_t* out) {
   MOK_REQUIRE(out && n_blocks >= 0 && mb_blocks >= 1 && slots >= 1 && n1 >= 1 && n2 >= 1);
   MOK_REQUIRE(queue == kComputeQueue || queue == kPullQueue || queue == kFirstPullQueue);
   MOK_REQUIRE(pairs == 0 || pairs == 1);
+  MOK_REQUIRE(group_blocks >= 2 && group_blocks <= 64 && group_blocks % 2 == 0);
   Plan plan{n_blocks, mb_blocks, slots, n1, n2};
   plan.pairs = pairs;
+  plan.group_blocks = group_blocks;
   MOK_REQUIRE(index >= 0 && index < queue_items(plan, queue));
   const Item it = queue_item(plan, queue, index);
   const Wait w = wait_of(plan, it);
@@ -696,6 +710,7 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.early_sum = a.K <= kEarlyMaxTopk && a.P <= kEarlyMaxRanks ? early_sum_mode() : 0;
   p.late_minibatches = late_minibatches_for();
   p.relaxed_polls = env_flag("MOK_MEGAKERNEL_RELAXED_POLLS", true) ? 1 : 0;
+  p.group_blocks = group_blocks_for();
   const bool want_pairs = env_flag("MOK_MEGAKERNEL_PAIRS", a.pairs != 0);
 
   int64_t grid = 0;

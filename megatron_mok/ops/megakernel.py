@@ -39,8 +39,9 @@ FIRST_PULL_PARTS = 8
 """Parts (of 16 rows) of a first block's pull: the first two minibatches' blocks are pulled in
 parts by every CTA when the launch starts (mok/megakernel/plan.cuh)."""
 GROUP_BLOCKS = 8
-"""Row blocks of a group, the tiles of a minibatch's column sweep (plan.cuh, kGroupBlocks); a
-compute CTA pulls parts of the first group's blocks only, when the launch starts."""
+"""Row blocks of a group, the tiles of a minibatch's column sweep (plan.cuh, kGroupBlocks: the
+default, which ``MOK_MEGAKERNEL_GROUP_BLOCKS`` changes for comparison); a compute CTA pulls parts
+of the first group's blocks only, when the launch starts."""
 COUNTERS = {0: "x_ready", 1: "h_ready", 2: "fc2_done"}
 EARLY_NEXT_WORD = 9
 """Header word of the counters (plan.cuh, kEarlyNext): after a launch, the units (quarters of a
@@ -94,7 +95,7 @@ def _lib():
     return lib, {
         "args_bytes": lib.function("mok_megakernel_args_bytes", _i64, []),
         "counter_words": lib.function("mok_megakernel_counter_words", _i64, [_i]),
-        "plan_item": lib.function("mok_megakernel_plan_item", _i, [_i, _i, _i, _i, _i, _i, _i, _i, _v]),
+        "plan_item": lib.function("mok_megakernel_plan_item", _i, [_i, _i, _i, _i, _i, _i, _i, _i, _i, _v]),
         "layout_blocks": lib.function("mok_megakernel_layout_blocks", _i, [_v, _i, _i, _v, _i64]),
         "early_plan": lib.function("mok_megakernel_early_plan", _i, [_i, _i, _i, _i, _i, _i, _v]),
         "launch_shape": lib.function("mok_megakernel_launch_shape", _i, [_i64, _i64, _i64, _v]),
@@ -127,11 +128,12 @@ def early_plan(n_blocks: int, mb_blocks: int, n1: int, n2: int, pairs: bool = Fa
 
 
 def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int, n1: int, n2: int,
-              pairs: bool = False) -> Tuple[str, int, int, str, int, int]:
+              pairs: bool = False, group_blocks: int = GROUP_BLOCKS) -> Tuple[str, int, int, str, int, int]:
     """Item ``index`` of the ``queue`` ("compute", "pull" or "first_pull") of the
     kernel's work plan; ``pairs``: the plan of a launch in clusters of two, whose compute
     items are pair tiles (the row block returned is the pair's first; the second is the next
-    block when it lies in the same minibatch, see :func:`pair_partner`).
+    block when it lies in the same minibatch, see :func:`pair_partner`); ``group_blocks``: row
+    blocks of a group (``MOK_MEGAKERNEL_GROUP_BLOCKS``; even, 2 to 64).
 
     Returns (kind, row block, column block (the part, for "pull_part"), counter waited on, its
     slot, target value; a target <= 0 means no wait). Raises :class:`MegakernelArgumentError`
@@ -139,10 +141,12 @@ def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int,
     """
     lib, fns = _lib()
     out = (ctypes.c_int32 * 6)()
-    code = fns["plan_item"](QUEUES[queue], index, n_blocks, mb_blocks, slots, n1, n2, 1 if pairs else 0, out)
+    code = fns["plan_item"](QUEUES[queue], index, n_blocks, mb_blocks, slots, n1, n2, 1 if pairs else 0,
+                            group_blocks, out)
     if code != 0:
         raise MegakernelArgumentError(f"plan_item({queue!r}, {index}) for n_blocks={n_blocks}, "
-                                      f"mb_blocks={mb_blocks}, slots={slots}, n1={n1}, n2={n2}, pairs={pairs}: "
+                                      f"mb_blocks={mb_blocks}, slots={slots}, n1={n1}, n2={n2}, pairs={pairs}, "
+                                      f"group_blocks={group_blocks}: "
                                       f"{lib._dll.mok_error_string(code).decode()}")
     kind, block, col, counter, slot, target = list(out)
     return ITEM_KINDS[kind], block, col, COUNTERS[counter], slot, target

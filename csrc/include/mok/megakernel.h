@@ -78,9 +78,11 @@ MOK_API int64_t mok_megakernel_counter_words(int ring_slots);
 // pairs = 1: the plan of a launch in clusters of two (compute items are pair tiles: out[1] is
 // the pair's first block, the second is out[1] + 1 when it lies in the same minibatch; the
 // wait is the first block's, the second CTA waits for its own block the same way).
+// group_blocks: row blocks of a group (the launch's MOK_MEGAKERNEL_GROUP_BLOCKS; 8 by default),
+// even, 2 to 64.
 // Returns MOK_OK, or MOK_ERR_INVALID_ARGUMENT for sizes or an index out of range.
 MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_blocks, int slots,
-                                     int n1, int n2, int pairs, int32_t* out);
+                                     int n1, int n2, int pairs, int group_blocks, int32_t* out);
 
 // The early slot sum's part of the plan (plan.cuh) for these sizes, with the last
 // late_minibatches minibatches late: out[0] = the first late block, out[1] = the first

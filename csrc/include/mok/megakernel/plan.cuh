@@ -87,6 +87,7 @@ struct Plan {
   int pairs = 0;  // 1: compute items are pair tiles, for CTA clusters of two (below)
   int late_minibatches = kLateMinibatches;  // (slot_sum.cuh, early sum)
   int first_group = 1;  // 1: compute CTAs pull parts of the first group's blocks only (0: the first minibatch's)
+  int group_blocks = kGroupBlocks;  // row blocks of a column sweep (even; KernelParams::group_blocks)
 };
 
 struct Item {
@@ -148,13 +149,13 @@ MOK_HD int queue_items(const Plan& p, int queue) {
 }
 
 // Item `idx` of the tiles of minibatch m with `cols` column blocks (cols == 1: the units in
-// order). Groups of kGroupBlocks blocks (kGroupBlocks / 2 pairs), column block by column
+// order). Groups of p.group_blocks blocks (half as many pairs), column block by column
 // block inside a group. In pair mode the item's block is the pair's first block.
 MOK_HD Item tile_in_minibatch(const Plan& p, int32_t kind, int m, int cols, int idx) {
   const int first = m * p.mb_blocks;
   const int nb = (p.n_blocks - first) < p.mb_blocks ? (p.n_blocks - first) : p.mb_blocks;
   const int nu = units_of(p, nb);
-  const int group_units = p.pairs ? kGroupBlocks / 2 : kGroupBlocks;
+  const int group_units = p.pairs ? p.group_blocks / 2 : p.group_blocks;
   const int group = idx / (group_units * cols);
   const int in_group = idx - group * group_units * cols;
   const int left = nu - group * group_units;
@@ -260,7 +261,7 @@ MOK_HD Item queue_item(const Plan& p, int queue, int i) {
 // the first group alone lands in half the time of the first minibatch.
 MOK_HD int first_pull_items_for_compute(const Plan& p) {
   int n = first_blocks(p) < p.mb_blocks ? first_blocks(p) : p.mb_blocks;
-  if (p.first_group && n > kGroupBlocks) n = kGroupBlocks;
+  if (p.first_group && n > p.group_blocks) n = p.group_blocks;
   return n * kFirstPullParts;
 }
 
