@@ -726,3 +726,16 @@ def test_call_kernels_splits_the_profile_at_each_megakernel():
     assert "medians over 2" in text and "publish_kernel: 2 launches, 29.5 us" in text
     with pytest.raises(ValueError, match="need two calls"):
         mod.per_call(events[:3], "forward_kernel")
+
+
+def test_gpu_ab_loads_script_says_how_to_call_it():
+    """scripts/gpu_ab_loads.sh (a device script): without NAME=A,B it prints its usage and exits
+    2 before any GPU work; its shell parses."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_ab_loads.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    for args in ([], ["MOK_MEGAKERNEL_GROUP_BLOCKS=8"], ["16,8"]):
+        r = subprocess.run(["bash", str(script), *args], capture_output=True, text=True)
+        assert r.returncode == 2 and "usage: scripts/gpu_ab_loads.sh NAME=A,B" in r.stderr, (args, r.stderr)
