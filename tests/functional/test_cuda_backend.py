@@ -15,8 +15,8 @@ from megatron_mok.functional import (LocalEPGroup, MoKCapacityError, MoKRuntimeE
                                      check_errors, mok_moe)
 from megatron_mok.functional.workspace import release_workspaces
 
-from .distributed import run_ranks
-from .gpu_cases import check_against_oracle, check_graph_replay, check_rank_runs, gpu_case, leaves, run_case
+from tests.distributed import run_ranks
+from tests.gpu_cases import check_against_oracle, check_graph_replay, check_rank_runs, gpu_case, leaves, run_case
 
 pytestmark = pytest.mark.gpu
 def _leaves(case, rank):

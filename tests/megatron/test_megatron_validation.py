@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from megatron_mok.megatron import MoKLayerSettings, MoKUnsupportedError, check_supported, unsupported_settings
 from megatron_mok.megatron.peers import peer_access_problem
-from tests.megatron_utils import moe_spec_layer, tiny_config
+from tests.megatron.megatron_utils import moe_spec_layer, tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _config(**changes):

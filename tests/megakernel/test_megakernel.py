@@ -35,8 +35,8 @@ from megatron_mok.functional import backends, megakernel_backend as mkb
 from megatron_mok.functional.validate import MoEShape
 from megatron_mok.ops import megakernel as mk
 
-from .c_abi import struct_fields
-from .distributed import run_ranks
+from tests.c_abi import struct_fields
+from tests.distributed import run_ranks
 
 KIMI = MoEShape(tokens=4096, hidden=7168, topk=8, experts_per_rank=192, ffn_hidden=2048)
 MOK_ERR_INVALID_ARGUMENT = -1
@@ -1296,7 +1296,7 @@ def _timeline_script(monkeypatch):
     from pathlib import Path
 
     monkeypatch.setenv("MOK_MEGAKERNEL_TRACE", os.environ.get("MOK_MEGAKERNEL_TRACE", "0"))
-    path = Path(__file__).resolve().parent.parent / "scripts" / "megakernel_timeline.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "megakernel_timeline.py"
     spec = importlib.util.spec_from_file_location("megakernel_timeline", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -1410,7 +1410,7 @@ def test_standalone_bench_compiles(bench):
     nvcc = _build.find_nvcc()
     if nvcc is None:
         pytest.skip(f"nvcc not found: cannot compile scripts/{bench}.cu")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / bench
         res = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
@@ -1450,7 +1450,7 @@ def test_host_profile_times_steps_at_start_or_return_and_restores_them():
 
     import megatron_mok.functional as functional
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "host_profile.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "host_profile.py"
     spec = importlib.util.spec_from_file_location("host_profile", path)
     hp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hp)

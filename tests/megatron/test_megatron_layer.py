@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_mok.megatron.routing import remap_for_fused_shared, routing_to_topk
-from tests.megatron_utils import (
+from tests.megatron.megatron_utils import (
     assert_close_tensors,
     build_gpt,
     loss_and_grads,

@@ -31,7 +31,7 @@ from megatron_mok.megatron.experts import (
     stacked,
 )
 from megatron_mok.megatron.routing import reverse_local_expert_ids
-from tests.megatron_utils import (
+from tests.megatron.megatron_utils import (
     batch, build_gpt, loss_and_grads, megatron_ranks, megatron_train_steps, moe_layers, tiny_config,
 )
 

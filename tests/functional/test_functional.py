@@ -10,8 +10,8 @@ from megatron_mok import MoKConfig, MoKConfigError
 from megatron_mok.config import default_minibatch_rows
 from megatron_mok.functional import BackendUnavailable, MoKInputError, mok_moe
 
-from .cases import make_case
-from .distributed import run_ranks
+from tests.cases import make_case
+from tests.distributed import run_ranks
 
 
 def _args(T=6, H=8, I=4, L=3, K=2, dtype=torch.float32):

@@ -28,9 +28,9 @@ from megatron_mok.bench.shapes import SHAPES, ShapeError, make_case, resolve_sha
 from megatron_mok.bench.timing import slowest_rank_medians
 from megatron_mok.config import MoKConfig
 
-from .distributed import run_ranks
+from tests.distributed import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -570,7 +570,7 @@ def test_ab_positions_script_reads_paired_runs_and_skips_bound_lines(capsys, mon
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "ab_positions.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "ab_positions.py"
     spec = importlib.util.spec_from_file_location("ab_positions", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -637,7 +637,7 @@ def _ncu_bytes_module():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "ncu_bytes.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "ncu_bytes.py"
     spec = importlib.util.spec_from_file_location("ncu_bytes", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -703,7 +703,7 @@ def test_call_kernels_splits_the_profile_at_each_megakernel():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "call_kernels.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "call_kernels.py"
     spec = importlib.util.spec_from_file_location("call_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -734,7 +734,7 @@ def test_gpu_ab_loads_script_says_how_to_call_it():
     import subprocess
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_ab_loads.sh"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_ab_loads.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     for args in ([], ["MOK_MEGAKERNEL_GROUP_BLOCKS=8"], ["16,8"]):
         r = subprocess.run(["bash", str(script), *args], capture_output=True, text=True)

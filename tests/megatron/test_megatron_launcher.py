@@ -15,7 +15,7 @@ import torch
 
 from megatron_mok.pretrain_gpt import expand_arg_files, read_config_metadata
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
 TRAIN = ["--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-4", "--mock-data"]
 

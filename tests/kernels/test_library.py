@@ -12,7 +12,7 @@ from megatron_mok import _build
 from megatron_mok.ops import library
 from megatron_mok.reference import build_schedule
 
-from .cases import make_case
+from tests.cases import make_case
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from megatron_mok import MoKConfig
 from megatron_mok.functional import mok_moe
 from megatron_mok.reference import build_schedule, dense_moe
 
-from .cases import make_case
-from .distributed import run_ranks
+from tests.cases import make_case
+from tests.distributed import run_ranks
 
 # (seed, tokens per rank, hidden, ffn, experts per rank, top-k, routing, tile rows)
 CASES_P1 = [

@@ -14,8 +14,8 @@ from megatron_mok import MoKConfig
 from megatron_mok.ops import prologue as prologue_ops
 from megatron_mok.reference import build_schedule
 
-from .c_abi import struct_fields
-from .cases import make_case
+from tests.c_abi import struct_fields
+from tests.cases import make_case
 
 MOK_ERR_INVALID_ARGUMENT = -1
 

@@ -5,7 +5,7 @@ from unittest import mock
 
 import torch
 
-from tests.megatron_utils import assert_close_tensors, batch, build_gpt, loss_and_grads, megatron_ranks, tiny_config
+from tests.megatron.megatron_utils import assert_close_tensors, batch, build_gpt, loss_and_grads, megatron_ranks, tiny_config
 
 
 def _outputs(model, rank):

@@ -8,7 +8,7 @@ import typing
 import pytest
 import torch
 
-from tests.megatron_utils import build_gpt, megatron_ranks, moe_layers, moe_spec_layer, tiny_config
+from tests.megatron.megatron_utils import build_gpt, megatron_ranks, moe_layers, moe_spec_layer, tiny_config
 
 MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
