@@ -6,10 +6,10 @@ Megatron-Core plugin.
 * :func:`register`: makes ``--moe-token-dispatcher-type mok`` available in Megatron-Core.
 """
 
-from .config import MoKConfig, MoKConfigError
+from .config import MegakernelTunables, MoKConfig, MoKConfigError
 
 __version__ = "0.1.0"
-__all__ = ["MoKConfig", "MoKConfigError", "register", "__version__"]
+__all__ = ["MoKConfig", "MegakernelTunables", "MoKConfigError", "register", "__version__"]
 
 
 def register() -> None:

@@ -19,29 +19,57 @@ GPU_TILE_ROWS = (64, 128)
 MAX_TILE_ROWS = 256
 # GEMM tile used by the heuristic: 128 rows x 256 output columns per compute SM and tile.
 HEURISTIC_TILE_COLS = 256
-# Comm SMs of the megakernel. Its forward's comm SMs only pull (fc2's epilogue pushes the output
-# rows home, twelfth session) and, for a forward that saves activations (grad on), write every
-# pulled row twice (the ring and the training copy). Measured with grad on two H200s in blocks
-# (docs/perf-notes.md, twelfth session): at 6 experts per GPU 8 were 0.067 ms faster than 6;
-# at 192, 6 were 0.51 ms faster than 4. The backward's default (no backend reads it yet) is 10.
+# Comm SMs of the megakernel's forward. They pull the first row blocks of every launch (fc2's
+# epilogue pushes the output rows home, the compute CTAs' idle warps pull the rest) and, with
+# grad, write every pulled row twice (the ring and the training copy). Measured with grad on two
+# H200s (docs/perf-notes.md): 8 beat 6 by 0.067 ms at 6 experts per GPU; at 192, 6 beat 4 by
+# 0.51 ms. The backward's count (no backend reads it yet) is 10.
 COMM_SMS_DEFAULT = 8
 COMM_SMS_BACKWARD = 10
 # Mean routed rows per local expert at or below which the forward is bound by reading expert
 # weights (Kimi-K2 and DeepSeek-V3 at EP 2: ~170 and 256 rows per expert): a tile waits on HBM,
-# so the pulls have more time per row and the forward takes fewer comm SMs.
+# so the pulls have more time per row and fewer comm SMs keep ahead.
 WEIGHT_BOUND_ROWS_PER_EXPERT = 256
-# Comm SMs of the forward in that regime (with grad). Before the twelfth session, with push
-# CTAs, 8 comm SMs of which 5 pulled were best there (tenth session).
 COMM_SMS_WEIGHT_BOUND = 6
 # A forward without grad saves no activations for the backward: its pulls write each row once
-# instead of twice, and two comm SMs fewer keep up: 4 at 192 per GPU (2 were 1.36 ms slower),
-# 6 at 6 per GPU (level with 4 on one machine, 0.025 ms faster on another; twelfth session).
+# instead of twice, and two comm SMs fewer keep up (4 at 192 per GPU, where 2 were 1.36 ms
+# slower; 6 at 6 per GPU, level with 4).
 COMM_SMS_FEWER_WITHOUT_GRAD = 2
 H200_NUM_SMS = 132
 
 
 class MoKConfigError(ValueError):
     """A MoK tunable has a value outside what is supported."""
+
+
+@dataclass(frozen=True)
+class MegakernelTunables:
+    """Launch-shape tunables of the forward megakernel (C: ``MokMegakernelTunables``,
+    csrc/include/mok/megakernel.h). ``None`` takes the library's default
+    (``megatron_mok.ops.megakernel.default_tunables()``), so Python mirrors no default. Results
+    never depend on these: every setting gives bitwise the same output."""
+
+    pairs: Optional[bool] = None
+    """Run the launch in clusters of two CTAs that take pairs of row blocks and share each weight
+    tile (docs/megakernel.md, "Pair mode"). Default on: faster at every measured expert load. The
+    launch runs single CTAs whenever the grid or the comm-SM count is odd."""
+
+    group_blocks: Optional[int] = None
+    """Row blocks of a group: the tiles of one column sweep inside a minibatch, whose CTAs share
+    the weight tile in L2. Even, from 2 to 64 (the library's limits). Default 8: 16 measured
+    faster at 48 experts per GPU and slower at 6 and 192 (docs/perf-notes.md)."""
+
+    def __post_init__(self) -> None:
+        if self.pairs is not None and not isinstance(self.pairs, bool):
+            raise MoKConfigError(
+                f"MegakernelTunables.pairs={self.pairs!r} must be None (the library's default: on), "
+                "True or False")
+        g = self.group_blocks
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 2 or g % 2):
+            raise MoKConfigError(
+                f"MegakernelTunables.group_blocks={g!r} must be None (the library's default) or an "
+                "even integer >= 2 (the library's upper limit is checked when the megakernel "
+                "resolves it)")
 
 
 @dataclass(frozen=True)
@@ -72,13 +100,6 @@ class MoKConfig:
     A multiple of ``minibatch_rows`` and at least two minibatches, so one fills while the
     other is computed. Bounds the megakernel's memory whatever the routing."""
 
-    megakernel_pairs: Optional[bool] = None
-    """Megakernel only: run the launch in clusters of two CTAs that take pairs of row blocks
-    and share each weight tile (pair mode, docs/megakernel.md). ``None`` (auto): on, since it
-    measured faster at every expert load (``megakernel_backend.use_pairs``); ``True`` /
-    ``False``: always / never. The launch runs single CTAs whenever the grid or the comm-SM
-    count is odd. Results are bitwise the same either way."""
-
     tile_rows: int = 128
     """Height of a GEMM row block; each expert's segment of the schedule is padded to it.
     A power of two up to 256; the GPU backends take 64 or 128."""
@@ -96,6 +117,9 @@ class MoKConfig:
     """Total expert count E, if the caller wants it checked against the weights
     (E must be divisible by the EP size and E / P must equal ``fc1_weight.shape[0]``)."""
 
+    megakernel: MegakernelTunables = MegakernelTunables()
+    """The forward megakernel's launch-shape tunables (pair mode, group size)."""
+
     def __post_init__(self) -> None:
         _check_optional_int(self, "comm_sms_forward", minimum=2)
         _check_optional_int(self, "comm_sms_backward", minimum=2)
@@ -103,11 +127,9 @@ class MoKConfig:
         _check_optional_int(self, "ring_rows", minimum=1)
         _check_optional_int(self, "max_tokens_per_rank", minimum=1)
         _check_optional_int(self, "num_experts", minimum=1)
-        if self.megakernel_pairs is not None and not isinstance(self.megakernel_pairs, bool):
+        if not isinstance(self.megakernel, MegakernelTunables):
             raise MoKConfigError(
-                f"MoKConfig.megakernel_pairs={self.megakernel_pairs!r} must be None (auto: on), "
-                f"True or False"
-            )
+                f"MoKConfig.megakernel={self.megakernel!r} must be a MegakernelTunables")
         t = self.tile_rows
         if isinstance(t, bool) or not isinstance(t, int) or t < 1 or t > MAX_TILE_ROWS or t & (t - 1):
             raise MoKConfigError(
@@ -182,8 +204,8 @@ class MoKConfig:
           does not depend on P. This is the count of a forward that saves activations (grad
           on); one that saves none takes :data:`COMM_SMS_FEWER_WITHOUT_GRAD` fewer
           (:meth:`forward_comm_sms`).
-        * ``megakernel_pairs`` stays as given: ``None`` asks for pair mode
-          (``megakernel_backend.use_pairs``).
+        * ``megakernel`` stays as given: the megakernel backend fills its ``None`` fields from
+          the library's defaults (``megakernel_backend.resolve_tunables``).
         * minibatch: the smallest multiple of ``tile_rows`` whose fc1 (N = 2 * ffn_hidden) and
           fc2 (N = hidden) tile grids, in tiles of ``tile_rows`` x 256, each give every compute
           SM at least two waves.

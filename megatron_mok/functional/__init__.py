@@ -10,13 +10,15 @@ from typing import Optional
 
 import torch
 
-from ..config import MoKConfig, MoKConfigError
-from .backends import BackendUnavailable, run_backend, select_backend
+from ..config import MegakernelTunables, MoKConfig, MoKConfigError
+from .agreement import MoKMismatchError, agree, call_signature
+from .backends import BackendUnavailable, CallSpec, select_backend
 from .groups import EPGroup, LocalEPGroup, LocalEPRank, group_size_rank
-from .validate import MoKInputError, check_backend_name, check_inputs
+from .validate import MoKInputError, check_backend_name, check_inputs, weight_segments
 from .workspace import MoKCapacityError, MoKRuntimeError, MoKTimeoutError, check_errors
 
-__all__ = ["mok_moe", "check_errors", "LocalEPGroup", "LocalEPRank", "EPGroup", "group_size_rank", "MoKInputError", "MoKConfigError", "MoKCapacityError",
+__all__ = ["mok_moe", "check_errors", "LocalEPGroup", "LocalEPRank", "EPGroup", "group_size_rank", "MoKInputError",
+           "MoKConfig", "MegakernelTunables", "MoKConfigError", "MoKMismatchError", "MoKCapacityError",
            "MoKRuntimeError", "MoKTimeoutError", "BackendUnavailable"]
 
 
@@ -63,6 +65,8 @@ def mok_moe(
 
     Raises:
         MoKInputError, MoKConfigError: for unsupported arguments, before any GPU work.
+        MoKMismatchError: on every rank, when the ranks of the EP group call with different
+            settings (config, sizes, dtype or backend), before any data is exchanged.
         BackendUnavailable: when the requested backend cannot run here, saying why.
         MoKCapacityError: more tokens than the GPU workspace was sized for.
         MoKRuntimeError, MoKTimeoutError: a problem a kernel recorded during an earlier call
@@ -76,6 +80,8 @@ def mok_moe(
         raise MoKConfigError(f"config must be a MoKConfig or None, got {type(config).__name__}")
     ep_size, _ = group_size_rank(ep_group)
     config.check_experts(ep_size, shape.experts_per_rank)
-    name = select_backend(backend, x, shape, config, ep_size)
-    return run_backend(name, x, topk_ids, topk_weights, fc1_weight, fc2_weight,
-                       ep_group=ep_group, config=config, shape=shape)
+    spec = CallSpec(shape=shape, config=config, ep_group=ep_group, ep_size=ep_size, device=x.device, dtype=x.dtype)
+    chosen = select_backend(backend, spec)
+    agree(ep_group, call_signature(config, shape, x.dtype, chosen.name))
+    fc1s, fc2s = weight_segments("fc1_weight", fc1_weight), weight_segments("fc2_weight", fc2_weight)
+    return chosen.run(spec, x, topk_ids, topk_weights, fc1s, fc2s)

@@ -1,5 +1,5 @@
 """Expert-parallel groups: a ``torch.distributed`` process group, or P virtual ranks in one
-process on one GPU (:class:`LocalEPGroup`, the test aid of DESIGN.md section 5).
+process on one GPU (:class:`LocalEPGroup`, docs/design.md, "Virtual ranks").
 
 Virtual ranks let the cross-rank logic (peer pointers, flags, barriers) run where only one GPU
 is lent: each rank has its own buffers and its own stream, and the ranks' kernels run
@@ -36,6 +36,8 @@ class LocalEPGroup:
         self.ranks = [LocalEPRank(self, r) for r in range(size)]
         # Shared by the ranks: every rank's workspace of one shape is created together.
         self.shared_workspaces: dict = {}
+        # Each rank's last call signature (agreement.agree): later ranks compare with it.
+        self.signatures: dict = {}
 
     def __getitem__(self, rank: int) -> "LocalEPRank":
         return self.ranks[rank]
@@ -80,7 +82,7 @@ def group_size_rank(ep_group: EPGroup) -> Tuple[int, int]:
     if isinstance(ep_group, LocalEPRank):
         return ep_group.group.size, ep_group.rank
     # A process group's size and rank never change; asking it (or dist.get_rank(group)) costs
-    # ~10 us of host time, twice per layer call (scripts/host_profile.py on the GPU machine).
+    # ~10 us of host time, twice per layer call.
     known = _process_group_size_rank.get(ep_group)
     if known is None:
         known = _process_group_size_rank[ep_group] = (ep_group.size(), ep_group.rank())

@@ -40,17 +40,13 @@ SITE_NAMES = {
     2: "forward combine (waiting for every rank to push its expert outputs)",
     3: "backward (waiting for every rank to publish its output gradients)",
     4: "backward (waiting for every rank to push its input gradients)",
-    # 5 and 6 are no longer used (the megakernel's former recompute backward), nor 9 (its former
-    # push CTAs). The megakernel records 7, 8, 10 and 11 inside its launch
-    # (csrc/include/mok/megakernel.h).
+    # The megakernel records 7, 8, 10 and 11 inside its launch (csrc/include/mok/megakernel.h).
     7: "forward megakernel, inside this rank's launch (fc1 waiting for its pulled rows)",
     8: "forward megakernel, inside this rank's launch (fc2 waiting for its row block's fc1)",
     10: "forward megakernel, inside this rank's launch (pull waiting for a free ring slot, i.e. "
         "for the fc2 tiles of the block before it)",
     11: "forward megakernel combine (waiting for every rank to push its expert outputs)",
 }
-STATUS_MIRROR_ENV = "MOK_STATUS_MIRROR"
-""""copy": the status word reaches the host by a copy-engine copy; unset: by a kernel's stores."""
 STATUS_BAD_EXPERT_ID, STATUS_TOO_MANY_TOKENS, STATUS_TIMEOUT = 1, 2, 4
 _ALIGN = 256
 
@@ -77,9 +73,8 @@ def _align(n: int) -> int:
 class SymmetricLayout:
     """Byte offsets of the buffers in every rank's region (the same on all ranks).
 
-    signals: uint64 [3, P], flags peers write: [0] the barrier's and the megakernel's
-    combine-done flags, [1] the megakernel's "early delivered" flags, [2] the first expert id
-    whose rows each rank may still be computing when it raises [1] (slot_sum.cuh);
+    signals: uint64 [P], flags peers write: the barrier's and the megakernel's combine-done
+    flags, one per peer;
     ntok: int32, this rank's T;
     ids: int64 [T_cap, K]; scalars: fp32 [T_cap, K] (router weights out, dw slots in);
     rows: bf16 [T_cap, H] (x in the forward, dy in the backward);
@@ -100,7 +95,7 @@ class SymmetricLayout:
 
     @staticmethod
     def plan(P: int, max_tokens: int, topk: int, hidden: int) -> "SymmetricLayout":
-        sizes = [("signals", 3 * 8 * P), ("ntok", 16), ("ids", 8 * max_tokens * topk),
+        sizes = [("signals", 8 * P), ("ntok", 16), ("ids", 8 * max_tokens * topk),
                  ("scalars", 4 * max_tokens * topk), ("rows", 2 * max_tokens * hidden),
                  ("slots", 2 * max_tokens * topk * hidden)]
         offsets, at = {}, 0
@@ -143,9 +138,6 @@ class Workspace:
         self.scratch = torch.empty(max(1, schedule_ops.scratch_ints(self.P, T, K, experts_per_rank)),
                                    dtype=torch.int32, device=self.device)
         self._table_rows: Dict[int, int] = {}  # schedule table capacity per tile_rows
-        # The backends' launch settings per (backend, config, shape, ...), prepared and checked at
-        # a key's first call (host time: every layer of every step asks the same questions).
-        self.prepared_calls: Dict[tuple, object] = {}
         view = lambda off, n, dtype: region[off:off + n * dtype.itemsize].view(dtype)
         self.ntok = view(layout.ntok, 1, torch.int32)
         self.ids = view(layout.ids, T * K, torch.int64).view(T, K)
@@ -168,10 +160,8 @@ class Workspace:
     def mirror_status(self) -> None:
         """Queue the copy of the device status word to the host (end of every call): a kernel's
         stores into the mapped pinned memory, ~8 us less GPU time per call than a copy-engine
-        copy (``MOK_STATUS_MIRROR=copy``, as before the twenty-second session; also under
-        torch.compile, and where the memory is not mapped)."""
-        if (self._status_host_mapped and os.environ.get(STATUS_MIRROR_ENV) != "copy"
-                and not torch.compiler.is_compiling()):
+        copy, which remains for torch.compile and where the memory is not mapped."""
+        if self._status_host_mapped and not torch.compiler.is_compiling():
             comm_ops.mirror_status(self.status, self._status_host_mapped)
         else:
             self.status_host.copy_(self.status, non_blocking=True)

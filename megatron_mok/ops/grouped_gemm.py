@@ -530,11 +530,10 @@ def fc1_preact(x: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor,
                multicast: Optional[bool] = None, num_ctas: int = 0) -> torch.Tensor:
     """fc1 without its activation: gu[r] = x[r] W1_e^T, for a SwiGLU run separately.
 
-    The same plain row GEMM as :func:`fc2` (fc1_weight [L, 2I, H] is its [L, N, K] weight); the
-    cuda backend runs it with ``MOK_CUDA_SWIGLU=separate``. Measured 0.91-1.38x the speed of
-    torch._grouped_mm on the same data, slower than the fused :func:`fc1_swiglu`, which applies
-    SwiGLU as well (docs/perf-notes.md, fourth session); its gu is bitwise the one
-    :func:`fc1_swiglu` saves.
+    The same plain row GEMM as :func:`fc2` (fc1_weight [L, 2I, H] is its [L, N, K] weight). No
+    backend runs it (the fused :func:`fc1_swiglu`, which applies SwiGLU as well, measured faster,
+    docs/perf-notes.md); it is the tests' check that :func:`fc1_swiglu`'s saved gu is bitwise
+    the plain GEMM's.
 
     Args:
         x: bf16 [R, H]. fc1_weight: bf16 [L, 2I, H]. offsets, tile_rows, block_m, wg_n, tma_store,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_mok import MoKConfig, MoKConfigError
+from megatron_mok import MegakernelTunables, MoKConfig, MoKConfigError
 from megatron_mok.config import default_minibatch_rows
 from megatron_mok.functional import BackendUnavailable, MoKInputError, mok_moe
 
@@ -107,6 +107,39 @@ def test_experts_not_divisible_by_ep_size_is_a_clear_error():
     run_ranks(_indivisible_worker, 2)
 
 
+def _disagreeing_worker(rank, world, field, values, message):
+    """Every rank calls with its own value of ``field``: each must raise the same mismatch error
+    (naming the ranks and values) before any data is exchanged."""
+    import torch.distributed as dist
+
+    from megatron_mok.functional import MoKMismatchError
+
+    args = _args()
+    if field == "hidden":  # a different model size on one rank
+        args = _args(H=8 if rank == 0 else 16)
+        config = MoKConfig()
+    elif field.startswith("megakernel."):
+        config = MoKConfig(megakernel=MegakernelTunables(**{field.split(".")[1]: values[rank]}))
+    else:
+        config = MoKConfig(**{field: values[rank]})
+    with pytest.raises(MoKMismatchError, match=message):
+        mok_moe(*args, ep_group=dist.group.WORLD, config=config, backend="reference")
+    # The same settings on every rank then agree (and run).
+    y = mok_moe(*_args(), ep_group=dist.group.WORLD, config=MoKConfig(), backend="reference")
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("field, values, message", [
+    ("tile_rows", (4, 1), r"tile_rows: EP rank 0 \(global rank 0\) has 4, EP rank 1 \(global rank 1\) has 1"),
+    ("megakernel.group_blocks", (8, 16), r"megakernel.group_blocks: EP rank 0 .* has 8, EP rank 1 .* has 16"),
+    ("megakernel.pairs", (None, False), r"megakernel.pairs: EP rank 0 .* has None, EP rank 1 .* has False"),
+    ("max_tokens_per_rank", (None, 64), r"max_tokens_per_rank: .* has None, .* has 64"),
+    ("hidden", None, r"hidden size H: EP rank 0 .* has 8, EP rank 1 .* has 16"),
+])
+def test_ranks_with_different_settings_get_the_same_clear_error(field, values, message):
+    run_ranks(_disagreeing_worker, 2, field, values, message)
+
+
 def test_unknown_backend_and_unavailable_backend():
     args = _args()
     with pytest.raises(MoKInputError, match="backend='fast' is not one of"):
@@ -128,8 +161,6 @@ def test_unknown_backend_and_unavailable_backend():
     (dict(minibatch_rows=256, ring_rows=384), "ring_rows=384 must be a multiple of minibatch_rows=256"),
     (dict(minibatch_rows=256, ring_rows=256), "at least two minibatches"),
     (dict(max_tokens_per_rank=True), "max_tokens_per_rank=True"),
-    (dict(megakernel_pairs=1), r"megakernel_pairs=1 must be None \(auto: on\), True or False"),
-    (dict(megakernel_pairs="on"), "megakernel_pairs='on'"),
 ])
 def test_bad_config_values_are_clear_errors(kwargs, message):
     with pytest.raises(MoKConfigError, match=message):
@@ -156,9 +187,22 @@ def test_default_heuristic_gives_two_waves():
     assert MoKConfig().resolve(hidden=1024, ffn_hidden=512, ep_size=1).comm_sms_forward == 8
     assert MoKConfig().resolve(hidden=1024, ffn_hidden=512, num_sms=20).comm_sms_forward == 5  # a quarter
     assert default_minibatch_rows(hidden=7168, ffn_hidden=2048, compute_sms=124, tile_rows=128) == 2048
-    # Pair mode is asked for per call (megakernel_backend.use_pairs), so resolve leaves it as given.
-    assert cfg.megakernel_pairs is None
-    assert MoKConfig(megakernel_pairs=False).resolve(hidden=7168, ffn_hidden=2048).megakernel_pairs is False
+    # The megakernel's launch-shape tunables come from the library (megakernel_backend.resolve_tunables):
+    # resolve leaves them as given.
+    assert cfg.megakernel == MegakernelTunables()
+    off = MoKConfig(megakernel=MegakernelTunables(pairs=False, group_blocks=16))
+    assert off.resolve(hidden=7168, ffn_hidden=2048).megakernel == MegakernelTunables(pairs=False, group_blocks=16)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pairs=1), "pairs=1 must be None"), (dict(group_blocks=7), "group_blocks=7 must be None"),
+    (dict(group_blocks=0), "group_blocks=0"), (dict(group_blocks=True), "group_blocks=True"),
+    (dict(group_blocks="8"), "group_blocks='8'")])
+def test_megakernel_tunables_are_checked_where_written(kwargs, message):
+    with pytest.raises(MoKConfigError, match=message):
+        MegakernelTunables(**kwargs)
+    with pytest.raises(MoKConfigError, match="must be a MegakernelTunables"):
+        MoKConfig(megakernel={"pairs": True})
 
 
 def test_import_without_gpu():
@@ -173,74 +217,86 @@ def test_import_without_gpu():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_cuda_backend_swiglu_mode_from_the_environment(monkeypatch):
-    """MOK_CUDA_SWIGLU picks where the cuda backend's Hopper GEMMs run SwiGLU (forward, backward); a
-    bad value is a clear error; a shape MoK's GEMMs do not take fuses nothing."""
+def test_cuda_backend_gemm_family_follows_the_shape():
+    """MoK's Hopper GEMMs (with SwiGLU fused) wherever the shape allows, torch._grouped_mm with the
+    separate SwiGLU kernels elsewhere: H and I multiples of 256, layouts padded to 64 or 128."""
     from megatron_mok.functional import cuda_backend
     from megatron_mok.functional.validate import MoEShape
 
     kimi = MoEShape(tokens=4096, hidden=7168, topk=8, experts_per_rank=6, ffn_hidden=2048)
-    odd = MoEShape(4096, 4096, 8, 16, 1152)  # I = 1152: not a multiple of the Hopper GEMMs' 256
-    monkeypatch.delenv("MOK_GROUPED_GEMM", raising=False)
-    monkeypatch.delenv(cuda_backend.SWIGLU_ENV, raising=False)
-    assert cuda_backend.fused_swiglu_apply(kimi, 128) == (True, True)  # the default: "fused"
-    monkeypatch.setenv(cuda_backend.SWIGLU_ENV, "forward")
-    assert cuda_backend.fused_swiglu_apply(kimi, 128) == (True, False)
-    monkeypatch.setenv(cuda_backend.SWIGLU_ENV, "fused")
-    assert cuda_backend.fused_swiglu_apply(kimi, 64) == (True, True)
-    assert cuda_backend.fused_swiglu_apply(odd, 64) == (False, False)
-    assert cuda_backend.fused_swiglu_apply(odd, 128) == (False, False)
-    monkeypatch.setenv("MOK_GROUPED_GEMM", "torch")  # no Hopper GEMMs: nothing to fuse into
-    assert cuda_backend.fused_swiglu_apply(kimi, 128) == (False, False)
-    monkeypatch.delenv("MOK_GROUPED_GEMM")
-    monkeypatch.setenv(cuda_backend.SWIGLU_ENV, "separate")
-    assert cuda_backend.fused_swiglu_apply(kimi, 128) == (False, False)
-    monkeypatch.setenv(cuda_backend.SWIGLU_ENV, "sometimes")
-    with pytest.raises(ValueError, match="MOK_CUDA_SWIGLU='sometimes': expected one of forward, fused, separate"):
-        cuda_backend.fused_swiglu_apply(kimi, 128)
+    assert cuda_backend.hopper_gemms_apply(kimi, 128) and cuda_backend.hopper_gemms_apply(kimi, 64)
+    assert not cuda_backend.hopper_gemms_apply(kimi, 32)
+    assert not cuda_backend.hopper_gemms_apply(MoEShape(4096, 4096, 8, 16, 1152), 128)  # I % 256
+    assert not cuda_backend.hopper_gemms_apply(MoEShape(4096, 1152, 8, 16, 2048), 128)  # H % 256
 
 
-def test_cuda_backend_row_gemm_orients_the_weight_for_either_path():
-    """_row_gemm hands MoK's kernels the weight as stored and gives torch._grouped_mm W_e^T for
-    [L, N, K] weights (fc1, fc2) and W_e for [L, K, N] ones (the data gradients): checked
-    against a per-expert matmul on the CPU, with MoK's kernel replaced by a recorder."""
+def test_expert_ffn_torch_path_orients_the_weights():
+    """The torch._grouped_mm path of the expert FFN (shapes MoK's GEMMs refuse) multiplies by W_e^T
+    for the [L, N, K] weights (fc1, fc2) and W_e for the data gradients: forward and backward
+    checked on the CPU against autograd through a per-expert reference, with SwiGLU done by
+    torch in place of the GPU kernels."""
     from types import SimpleNamespace
 
-    from megatron_mok.functional.cuda_backend import _row_gemm
+    import torch.nn.functional as F
+
+    from megatron_mok.functional import cuda_backend
+
+    def swiglu_forward(ab, w, offsets):
+        a, b = ab.float().chunk(2, dim=1)
+        return (w[:, None] * F.silu(a) * b).to(ab.dtype)
+
+    def swiglu_backward(ab, w, g, offsets, want_hw):
+        ab32 = ab.float().requires_grad_()
+        w32 = w.clone().requires_grad_()
+        a, b = ab32.chunk(2, dim=1)
+        hw = w32[:, None] * F.silu(a) * b
+        hw.backward(g.float())
+        return ab32.grad.to(ab.dtype), w32.grad, hw.detach().to(ab.dtype)
 
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(32, 64, generator=gen).bfloat16()
+    R, H, I, L = 32, 64, 24, 2
+    x = torch.randn(R, H, generator=gen).bfloat16()
+    w = torch.rand(R, generator=gen)
+    fc1 = (torch.randn(L, 2 * I, H, generator=gen) / 8).bfloat16()
+    fc2 = (torch.randn(L, H, I, generator=gen) / 5).bfloat16()
+    d_out = torch.randn(R, H, generator=gen).bfloat16()
     offsets = torch.tensor([0, 16, 32], dtype=torch.int32)
-    for n_by_k, w in ((True, torch.randn(2, 48, 64, generator=gen).bfloat16()),
-                      (False, torch.randn(2, 64, 48, generator=gen).bfloat16())):
-        out = _row_gemm(SimpleNamespace(hopper_gemms=False), None, a, w, offsets, n_by_k)
-        for e in range(2):
-            w_e = w[e].float().t() if n_by_k else w[e].float()
-            want = a[16 * e:16 * (e + 1)].float() @ w_e
-            assert torch.allclose(out[16 * e:16 * (e + 1)].float(), want, rtol=2e-2, atol=2e-1)
-        seen = []
-        _row_gemm(SimpleNamespace(hopper_gemms=True, segment_rows=128),
-                  lambda *args, **kw: seen.append((args, kw)), a, w, offsets, n_by_k)
-        (args, kw), = seen
-        assert args[0] is a and args[1] is w and args[2] is offsets and kw == {"tile_rows": 128}
+    call = SimpleNamespace(hopper_gemms=False, segment_rows=16)
+    ops = SimpleNamespace(swiglu_forward=swiglu_forward, swiglu_backward=swiglu_backward)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cuda_backend, "swiglu_ops", ops)
+        out, hw, ab = cuda_backend.expert_forward(call, x, w, fc1, fc2, offsets, None)
+        dx, dw, d_fc1, d_fc2, _, _ = cuda_backend.expert_backward(call, d_out, x, w, ab, fc1, fc2, offsets, None)
+    xs, ws = x.float().requires_grad_(), w.clone().requires_grad_()
+    f1, f2 = fc1.float().requires_grad_(), fc2.float().requires_grad_()
+    rows = []
+    for e in range(L):
+        r = slice(16 * e, 16 * (e + 1))
+        a, b = (xs[r] @ f1[e].t()).chunk(2, dim=1)
+        rows.append((ws[r, None] * F.silu(a) * b) @ f2[e].t())
+    want = torch.cat(rows)
+    want.backward(d_out.float())
+    close = dict(rtol=5e-2, atol=5e-2)
+    assert torch.allclose(out.float(), want.detach(), **close)
+    assert torch.allclose(dx.float(), xs.grad, **close)
+    assert torch.allclose(dw, ws.grad, **close)
+    assert torch.allclose(d_fc1.float(), f1.grad, **close)
+    assert torch.allclose(d_fc2.float(), f2.grad, **close)
 
 
-@pytest.mark.parametrize("hopper,fused,segmented", [
-    (True, (True, True), True), (True, (True, False), False), (True, (False, False), False),
-    (False, (False, False), False)])
-def test_gpu_backends_read_weight_segments_in_place_only_where_the_gemms_can(hopper, fused, segmented):
-    """The GPU backends' weight arguments: the segments themselves (no copy) with MoK's fused
-    Hopper GEMMs, else one concatenated tensor, whose gradient autograd splits back."""
+@pytest.mark.parametrize("hopper", [True, False])
+def test_gpu_backends_read_weight_segments_in_place_only_where_the_gemms_can(hopper):
+    """The GPU backends' weight arguments: the segments themselves (no copy) with MoK's Hopper
+    GEMMs, else one concatenated tensor, whose gradient autograd splits back."""
     from types import SimpleNamespace
 
-    from megatron_mok.functional.cuda_backend import segmented_gemms_apply, weight_arguments
+    from megatron_mok.functional.cuda_backend import weight_arguments
 
-    call = SimpleNamespace(hopper_gemms=hopper, fused_swiglu=fused)
-    assert segmented_gemms_apply(call) is segmented
+    call = SimpleNamespace(hopper_gemms=hopper)
     f1 = (torch.randn(3, 8, 4, requires_grad=True), torch.randn(1, 8, 4, requires_grad=True))
     f2 = (torch.randn(3, 4, 4, requires_grad=True), torch.randn(1, 4, 4, requires_grad=True))
     fc1, fc2, fc1_2, fc2_2 = weight_arguments(f1, f2, call)
-    if segmented:
+    if hopper:
         assert fc1 is f1[0] and fc2 is f2[0] and fc1_2 is f1[1] and fc2_2 is f2[1]
     else:
         assert fc1_2 is None and fc2_2 is None

@@ -164,8 +164,8 @@ def test_schedule_empty_expert_has_no_rows():
 def test_multi_process_rank_check_passes_the_oracle_and_fails_a_wrong_or_unstable_run():
     """check_rank_runs (the multi-GPU tests' verdict) on a small CPU case: the reference
     backend's results pass; a perturbed gradient and a run that differs from the first fail."""
-    from .cases import route
-    from .gpu_cases import GpuCase, check_rank_runs
+    from tests.cases import route
+    from tests.gpu_cases import GpuCase, check_rank_runs
 
     g = torch.Generator().manual_seed(7)
     T, H, I, E, K = 12, 16, 8, 4, 2
