@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 __all__ = ["Schedule", "build_schedule", "reference_moe", "dense_moe"]
 
@@ -269,6 +270,7 @@ class _ReferenceMoE(torch.autograd.Function):
         return y.to(x.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         topk_ids, topk_weights, fc1, fc2, x_disp, a, b, slots = ctx.saved_tensors
         group, schedules = ctx.group, ctx.schedules

@@ -13,7 +13,7 @@ import torch
 from ..config import MegakernelTunables, MoKConfig, MoKConfigError
 from .agreement import MoKMismatchError, agree, call_signature
 from .backends import BackendUnavailable, CallSpec, select_backend
-from .groups import EPGroup, LocalEPGroup, LocalEPRank, group_size_rank
+from .groups import EPGroup, LocalEPGroup, LocalEPRank, check_ep_group, group_size_rank
 from .validate import MoKInputError, check_backend_name, check_inputs, weight_segments
 from .workspace import MoKCapacityError, MoKRuntimeError, MoKTimeoutError, check_errors
 
@@ -73,6 +73,10 @@ def mok_moe(
             (a bad expert id, a peer that never arrived); see docs/architecture.md.
     """
     check_backend_name(backend)
+    try:
+        check_ep_group(ep_group)
+    except TypeError as err:
+        raise MoKInputError(str(err)) from None
     shape = check_inputs(x, topk_ids, topk_weights, fc1_weight, fc2_weight)
     if config is None:
         config = MoKConfig()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..config import GPU_TILE_ROWS, MoKConfig
 from ..ops import comm as comm_ops
@@ -250,6 +251,7 @@ class _CudaMoE(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # a second derivative through MoK raises instead of being dropped
     def backward(ctx, dy):
         dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = moe_backward(ctx.call, dy, ctx.saved_tensors, ctx.tokens)
         return dx, None, dw, d_fc1, d_fc2, None, d_fc1_2, d_fc2_2

@@ -75,6 +75,16 @@ EPGroup = Union[None, dist.ProcessGroup, LocalEPRank]
 _process_group_size_rank: Dict[dist.ProcessGroup, Tuple[int, int]] = {}
 
 
+def check_ep_group(ep_group) -> None:
+    """Raise ``TypeError`` unless ``ep_group`` is None, a ``torch.distributed`` process group or
+    a :class:`LocalEPRank`."""
+    if ep_group is not None and not isinstance(ep_group, (dist.ProcessGroup, LocalEPRank)):
+        raise TypeError(
+            f"ep_group={ep_group!r} ({type(ep_group).__name__}) is not supported; pass None (one rank), the "
+            "expert-parallel torch.distributed.ProcessGroup (e.g. dist.group.WORLD or a group from "
+            "dist.new_group), or a LocalEPRank of a LocalEPGroup (virtual ranks)")
+
+
 def group_size_rank(ep_group: EPGroup) -> Tuple[int, int]:
     """(P, this rank's index) of an EP group; (1, 0) for None."""
     if ep_group is None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..config import MegakernelTunables, MoKConfig, MoKConfigError
 from ..ops import megakernel as mk_ops
@@ -247,6 +248,7 @@ class _MegakernelMoE(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # a second derivative through MoK raises instead of being dropped
     def backward(ctx, dy):
         dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = cuda_backend.moe_backward(ctx.call, dy, ctx.saved_tensors,
                                                                            ctx.tokens)

@@ -133,6 +133,9 @@ def check_inputs(x, topk_ids, topk_weights, fc1_weight, fc2_weight) -> MoEShape:
     devices = {t.device for t in (x, topk_ids, topk_weights, *fc1s, *fc2s)}
     if len(devices) != 1:
         raise MoKInputError(f"all arguments must be on one device, got {sorted(map(str, devices))}")
+    if x.device.type == "meta":
+        raise MoKInputError("the arguments are on the meta device, which holds no data; mok_moe computes on "
+                            "the CPU (reference backend) or on CUDA devices")
     return MoEShape(tokens=tokens, hidden=hidden, topk=topk, experts_per_rank=experts, ffn_hidden=inter)
 
 

@@ -342,7 +342,10 @@ def check_errors() -> None:
 
     MoK never synchronises inside a layer call; problems are raised at the next call of a
     layer with that workspace, or here. Call it where a step ends, if you want errors there.
+    Without CUDA (no workspace can exist) it does nothing.
     """
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
     torch.cuda.synchronize()
     for ws in list(_every_workspace):
         ws.raise_if_failed(ws.timeout_s)

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from megatron_mok import MoKConfig
-from megatron_mok.functional import (LocalEPGroup, MoKCapacityError, MoKRuntimeError, MoKTimeoutError,
-                                     check_errors, mok_moe)
+from megatron_mok import MegakernelTunables, MoKConfig
+from megatron_mok.functional import (LocalEPGroup, MoKCapacityError, MoKMismatchError, MoKRuntimeError,
+                                     MoKTimeoutError, check_errors, mok_moe)
 from megatron_mok.functional.workspace import release_workspaces
 
 from tests.distributed import run_ranks
@@ -151,6 +151,31 @@ def test_bad_expert_id_is_reported_and_output_is_nan():
     release_workspaces()
 
 
+@pytest.mark.parametrize("backend", ["cuda", "megakernel"])
+def test_virtual_ranks_with_different_tunables_get_the_mismatch_error(backend):
+    """A virtual rank whose settings differ from an earlier rank's raises the mismatch error
+    before it queues anything; the earlier rank, left waiting in its launch, reports the timeout
+    naming it. Nothing hangs."""
+    group = LocalEPGroup(2)
+    case = gpu_case(52, [256, 256], 1024, 512, 2, 2)
+    base = dict(max_tokens_per_rank=256, timeout_s=1.0)
+    configs = [MoKConfig(**base), MoKConfig(**base, megakernel=MegakernelTunables(group_blocks=16))]
+    for rank in range(2):
+        x, w, fc1, fc2 = _leaves(case, rank)
+        with torch.cuda.stream(group.streams[rank]):
+            if rank == 0:
+                y0 = mok_moe(x, case.ids[0], w, fc1, fc2, ep_group=group[0], config=configs[0], backend=backend)
+            else:
+                with pytest.raises(MoKMismatchError,
+                                   match=r"megakernel.group_blocks: EP rank 0 has None, EP rank 1 has 16"):
+                    mok_moe(x, case.ids[1], w, fc1, fc2, ep_group=group[1], config=configs[1], backend=backend)
+    with pytest.raises(MoKTimeoutError, match=r"EP rank 0 waited more than 1 s for EP rank 1"):
+        check_errors()
+    assert torch.isnan(y0.float()).all()
+    del y0, group
+    gc.collect()
+
+
 def test_capacity_is_checked_before_gpu_work():
     group = LocalEPGroup(2)
     case = gpu_case(51, [64, 64], 1024, 512, 2, 2)
@@ -217,3 +242,22 @@ def _p2_timeout_worker(rank, world):
 @pytest.mark.gpu2
 def test_barrier_timeout_two_gpus_names_the_missing_rank():
     run_ranks(_p2_timeout_worker, 2, backend="nccl")
+
+
+def _p2_mismatch_worker(rank, world, backend):
+    import torch.distributed as dist
+
+    case = gpu_case(72, [128, 128], 1024, 512, 2, 2)
+    x, w, fc1, fc2 = _leaves(case, rank)
+    config = MoKConfig(timeout_s=5.0, megakernel=MegakernelTunables(group_blocks=8 if rank == 0 else 16))
+    with pytest.raises(MoKMismatchError, match=r"megakernel.group_blocks: EP rank 0 \(global rank 0\) has 8, "
+                                               r"EP rank 1 \(global rank 1\) has 16"):
+        mok_moe(x, case.ids[rank], w, fc1, fc2, ep_group=dist.group.WORLD, config=config, backend=backend)
+    torch.cuda.synchronize()
+    check_errors()  # nothing was launched: no timeout recorded anywhere
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("backend", ["cuda", "megakernel"])
+def test_two_gpus_with_different_tunables_get_the_mismatch_error_on_both(backend):
+    run_ranks(_p2_mismatch_worker, 2, backend, backend="nccl")

@@ -306,3 +306,30 @@ def test_gpu_backends_read_weight_segments_in_place_only_where_the_gemms_can(hop
         assert all(torch.equal(t.grad, 2 * torch.ones_like(t)) for t in f2)
     single = weight_arguments((f1[0],), (f2[0],), call)
     assert single[0] is f1[0] and single[1] is f2[0] and single[2:] == (None, None)
+
+
+def test_bad_ep_group_and_meta_tensors_are_clear_errors():
+    args = _args()
+    with pytest.raises(MoKInputError, match=r"ep_group='world' \(str\) is not supported"):
+        mok_moe(*args, ep_group="world")
+    meta = [a.to("meta") for a in args]
+    with pytest.raises(MoKInputError, match="meta device, which holds no data"):
+        mok_moe(*meta)
+
+
+def test_check_errors_without_a_gpu_does_nothing():
+    from megatron_mok.functional import check_errors
+
+    check_errors()  # no CUDA here (or none initialised): nothing to report, no driver error
+
+
+def test_double_backward_through_mok_is_refused():
+    """MoK's backward is once-differentiable: a second derivative that flows through it raises
+    instead of silently dropping MoK's part."""
+    x, ids, w, fc1, fc2 = _args(dtype=torch.float64)
+    w = w.double()
+    x.requires_grad_()
+    y = mok_moe(x, ids, w, fc1, fc2, backend="reference")
+    (g,) = torch.autograd.grad((y ** 2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
