@@ -41,7 +41,7 @@ extra=()
 if [[ -f configs/local_no_te.args ]] && ! "$python" -c 'import transformer_engine' 2>/dev/null; then
   extra=(--args-file configs/local_no_te.args)
 fi
-# NVLink multicast stays off on the shared H200 hosts (shared/device-facts.md).
+# NVLink multicast stays off (the shared H200 hosts do not allow it).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 config_args=()

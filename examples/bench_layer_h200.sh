@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The layer benchmark as measured for docs/benchmarks.md: Kimi-K2 and DeepSeek-V3 at 4096
-# tokens per GPU, every available backend, in both regimes of DESIGN.md section 6:
+# tokens per GPU, every available backend, in both regimes (weight-bound and compute-bound):
 #   * 2 GPUs: the full expert count (192 / 128 experts per GPU) and 6 experts per GPU
 #     (Kimi-K2's per-GPU load at EP=64);
 #   * 1 GPU:  the per-GPU load of the full model on 2 GPUs (ep=2: 192 / 128 experts) and
@@ -24,7 +24,7 @@ if (( ngpu >= 2 )); then
 else
   per_gpu=(ep=2 8)
 fi
-# NVLink multicast stays off on the shared H200 hosts (shared/device-facts.md).
+# NVLink multicast stays off (the shared H200 hosts do not allow it).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."

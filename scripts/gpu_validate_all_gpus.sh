@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 6 in one device call: everything that needs one process per GPU on all the machine's
-# GPUs (written for nvidia-h200-x4 / -x8; it runs on any count from 2 up):
+# Everything that needs one process per GPU on all the machine's GPUs, in one device call
+# (written for nvidia-h200-x4 / -x8; it runs on any count from 2 up):
 #   1. the GPU tests with one process per GPU (tests/test_all_gpus.py, `-m gpun`): both
 #      backends against the oracle, bitwise determinism, CUDA graph replay, the barrier timeout;
 #   2. the layer benchmark on all GPUs: Kimi-K2 and DeepSeek-V3, 4096 tokens per GPU, the full

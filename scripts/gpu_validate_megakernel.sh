@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Validates the experimental forward megakernel on H200s in one go (one device call): builds
-# the library (or uses $MOK_LIBRARY when that file exists), runs tests/test_megakernel.py (its GPU tests; the gpu2 test when two GPUs are
-# there), then times the forward at the Kimi-K2 shapes of DESIGN.md section 6 next to the cuda
-# backend: P = 1 with 192 and 6 experts per GPU, a few comm-SM settings; with two GPUs also
-# the layer benchmark under torchrun (megakernel and cuda backends, forward and backward).
+# Validates the forward megakernel on H200s in one go (one device call): builds the library (or
+# uses $MOK_LIBRARY when that file exists), runs tests/megakernel (its GPU tests; the gpu2 tests
+# when two GPUs are there), then times the forward at the Kimi-K2 shape (T = 4096, K = 8,
+# H = 7168, I = 2048) next to the cuda backend: P = 1 with 192 and 6 experts per GPU, a few
+# settings of the tunables (comm SMs, minibatch and ring, pair mode, group size), each checked
+# against the cuda backend's output; with two GPUs also the layer benchmark under torchrun
+# (megakernel and cuda backends, forward and backward).
 #
 #   scripts/gpu_validate_megakernel.sh [OUT_DIR]      (default: $OUT, else /tmp/mok-megakernel)
 #
@@ -16,22 +18,25 @@ gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 echo "GPUs: $gpus"
 
-step "tests/test_megakernel.py"
+step "tests/megakernel"
 # --maxfail bounds the time a broken kernel costs (each failing wait takes the tests' 20 s).
-timeout 300 "$py" -m pytest -v -rs --timeout=150 --maxfail=4 tests/test_megakernel.py 2>&1 | tee "$out/tests.log"
+timeout 300 "$py" -m pytest -v -rs --timeout=150 --maxfail=4 tests/megakernel 2>&1 | tee "$out/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
 
 step "timing, P = 1, Kimi-K2 shapes (T=4096, K=8, H=7168, I=2048)"
 timeout 120 "$py" - <<'PY' 2>&1 | tee "$out/timing-p1.log"
 import statistics
+import sys
 
 import torch
 
-from megatron_mok import MoKConfig
+from megatron_mok import MegakernelTunables, MoKConfig
 from megatron_mok.functional import check_errors, mok_moe
 
 T, K, H, I = 4096, 8, 7168, 2048
 flop = 6 * T * K * H * I
+MAX_REL_DIFF = 2e-2  # bf16, as the tune command checks its candidates
+failed = []
 
 
 def median_ms(fn, iters=10, warmup=3):
@@ -61,9 +66,14 @@ for L in (192, 6):
         ref = mok_moe(x, ids, w, fc1, fc2, backend="cuda")
         ms = median_ms(lambda: mok_moe(x, ids, w, fc1, fc2, backend="cuda"))
         print(f"L={L:4d} cuda backend           forward {ms:7.3f} ms  {flop / ms / 1e9:6.1f} TFLOP/s", flush=True)
-        for comm, mb, ring in ((None, None, None), (4, None, None), (8, None, None), (16, None, None),
-                               (8, 1024, 4096), (16, 4096, 8192)):
-            cfg = MoKConfig(comm_sms_forward=comm, minibatch_rows=mb, ring_rows=ring)
+        settings = [((comm, mb, ring), MegakernelTunables())
+                    for comm, mb, ring in ((None, None, None), (4, None, None), (8, None, None), (16, None, None),
+                                           (8, 1024, 4096), (16, 4096, 8192))]
+        settings += [((None, None, None), MegakernelTunables(pairs=False)),
+                     ((None, None, None), MegakernelTunables(group_blocks=16))]
+        for (comm, mb, ring), mk in settings:
+            cfg = MoKConfig(comm_sms_forward=comm, minibatch_rows=mb, ring_rows=ring, megakernel=mk)
+            tunables = f"comm={comm!s:>4} mb={mb!s:>5} ring={ring!s:>5} pairs={mk.pairs!s:>5} group={mk.group_blocks!s:>4}"
             try:
                 y = mok_moe(x, ids, w, fc1, fc2, config=cfg, backend="megakernel")
                 torch.cuda.synchronize()
@@ -72,12 +82,17 @@ for L in (192, 6):
                 ms = median_ms(lambda: mok_moe(x, ids, w, fc1, fc2, config=cfg, backend="megakernel"))
                 check_errors()
             except Exception as e:  # report and go on with the next setting
-                print(f"L={L:4d} megakernel comm={comm} mb={mb} ring={ring}: FAILED {type(e).__name__}: {e}", flush=True)
+                print(f"L={L:4d} megakernel {tunables}: FAILED {type(e).__name__}: {e}", flush=True)
+                failed.append((L, tunables))
                 continue
-            print(f"L={L:4d} megakernel comm={comm!s:>4} mb={mb!s:>5} ring={ring!s:>5} forward {ms:7.3f} ms  "
-                  f"{flop / ms / 1e9:6.1f} TFLOP/s  rel. diff to cuda {err:.2e}", flush=True)
+            wrong = not err <= MAX_REL_DIFF  # also catches NaN
+            if wrong:
+                failed.append((L, tunables))
+            print(f"L={L:4d} megakernel {tunables} forward {ms:7.3f} ms  "
+                  f"{flop / ms / 1e9:6.1f} TFLOP/s  rel. diff to cuda {err:.2e}{'  WRONG' if wrong else ''}", flush=True)
     del fc1, fc2
     torch.cuda.empty_cache()
+sys.exit(1 if failed else 0)
 PY
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
 

@@ -1,11 +1,16 @@
-"""``python -m megatron_mok.bench {layer,e2e,gemm} ...`` (also the ``mok-bench`` command).
+"""``python -m megatron_mok.bench {layer,e2e,gemm,tune} ...`` (also the ``mok-bench`` command).
 
 * ``layer``: one MoE layer, every available backend side by side (start with torchrun);
 * ``e2e``: Megatron training steps with each token dispatcher (starts torchrun itself);
-* ``gemm``: the grouped-GEMM benchmark of :mod:`megatron_mok.bench.gemm`;
-* ``tune``: the megakernel's comm SMs, minibatch and ring for one shape, written as flags.
+* ``gemm``: the grouped-GEMM kernels next to ``torch._grouped_mm`` (:mod:`megatron_mok.bench.gemm`);
+* ``tune``: the megakernel's comm SMs, minibatch, ring, pair mode and group size for one shape,
+  written as Megatron flags.
 
-Each writes a table to stdout and NAME.json, NAME.png and NAME.md to ``--out``.
+``layer`` and ``e2e`` write a table to stdout and NAME.json, NAME.png and NAME.md to ``--out``;
+``gemm`` a table and, with ``--out``, one JSON line per result; ``tune`` an args file.
+
+Performance experiments (A/B timings, kernel timelines, profiles) are not part of the package:
+tools/perf/README.md.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ SUBCOMMANDS = {
     "layer": ("megatron_mok.bench.layer", "time one MoE layer with every available backend (under torchrun)"),
     "e2e": ("megatron_mok.bench.e2e", "compare dispatchers in Megatron training steps (runs torchrun itself)"),
     "gemm": ("megatron_mok.bench.gemm", "benchmark the grouped GEMM kernels"),
-    "tune": ("megatron_mok.bench.tune", "pick the megakernel's tunables for a shape (under torchrun)"),
+    "tune": ("megatron_mok.bench.tune", "pick the megakernel's tunables for a shape, written as flags (under torchrun)"),
 }
 
 

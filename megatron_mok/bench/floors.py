@@ -1,4 +1,4 @@
-"""The floors of DESIGN.md section 6: the least time a layer pass can take on a GPU whose
+"""The floors: the least time a layer pass can take on a GPU whose
 GEMM rate, HBM bandwidth and NVLink bandwidth are known.
 
 For one rank r of the EP group, with T_r tokens, S_r used routes of its tokens, R_r routes
@@ -58,9 +58,8 @@ H200 = DeviceRates(
     gemm_tflops=792.0,
     hbm_gbps=4153.0,
     peer_gbps=370.0,
-    source=("shared/device-facts.md, measured 2026-11-29 on nvidia-h200-x2: bf16 GEMM 8192^3 "
-            "792 TFLOP/s; HBM copy 4153 GB/s (read + write); peer copy kernel 368-373 GB/s "
-            "(pull) per direction"),
+    source=("measured on an H200 (two-GPU host): bf16 GEMM 8192^3 792 TFLOP/s; HBM copy 4153 GB/s "
+            "(read + write); peer copy kernel 368-373 GB/s (pull) per direction"),
 )
 """The measured rates of the H200 machines this project runs on."""
 

@@ -16,7 +16,8 @@ experts empty) expert loads, on the expert-grouped layout padded to 128 and to 6
 Each of our results is checked against torch's on the same inputs before it is timed. Times are
 CUDA-event medians after warm-up; TFLOP/s count the useful FLOPs 2 * rows * N * K with rows the
 real (unpadded) rows. The floor is max(FLOPs / 790 TFLOP/s, bytes / 4.1 TB/s) with the bytes of
-one pass over the inputs and outputs (device-facts.md rates).
+one pass over the inputs and outputs (the H200 rates of
+:data:`megatron_mok.bench.floors.H200`, rounded down).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ MODELS = {  # name: (H, I, E); top-8 for all three
 }
 TOKENS_PER_RANK = 4096
 TOPK = 8
-PEAK_FLOPS = 790e12  # dense bf16 GEMM measured on the H200 (device-facts.md)
+PEAK_FLOPS = 790e12  # dense bf16 GEMM measured on the H200
 PEAK_BYTES = 4.1e12  # HBM copy, read + write
 
 
@@ -234,8 +235,8 @@ def run_case(c: Case, label: dict, sw, rows_out: List[Row], wgrad_fp32: bool) ->
     else:  # no variant of this filter takes the layout: the other kernels still need gu and h
         gg.launch_fc1_swiglu(c.x, c.w1, c.offsets, c.counts_d, c.rw, c.h, c.gu,
                              variant=gg.DEFAULTS["fc1"][c.tile])
-    # ---- fc1's pre-activation alone (the plain row GEMM, as the cuda backend runs it with
-    # MOK_CUDA_SWIGLU=separate); into a scratch buffer, so gu keeps the fused kernel's output
+    # ---- fc1's pre-activation alone (the plain row GEMM, without the fused SwiGLU epilogue);
+    # into a scratch buffer, so gu keeps the fused kernel's output
     ours, err = {}, 0.0
     gu2 = torch.empty_like(c.gu)
     for v in variants("fc2", c.tile):

@@ -5,11 +5,11 @@ Start it with torchrun, one process per GPU (the EP group is all of them):
     torchrun --nproc-per-node 2 -m megatron_mok.bench layer --shape kimi-k2 deepseek-v3 \\
         --tokens 4096 --experts-per-gpu full 6 --out bench-results
 
-Method (DESIGN.md section 6), per shape and expert count: random tokens, weights and routing;
-each backend's output and gradients are first checked against the reference backend on the
-first ``--check-tokens`` tokens of every rank with the case's weights (or, where the
-reference's float32 copies of those would not fit in GPU memory, on up to 16 experts per GPU
-with the same H, I and K: ``--check-mode``); then ``--warmup`` untimed and ``--iters`` timed iterations, each forward and
+Method, per shape and expert count: random tokens, weights and routing; each backend's output
+and gradients are first checked against the reference backend on the first ``--check-tokens``
+tokens of every rank with the case's weights (or, where the reference's float32 copies of those
+would not fit in GPU memory, on up to 16 experts per GPU with the same H, I and K:
+``--check-mode``); then ``--warmup`` untimed and ``--iters`` timed iterations, each forward and
 backward timed separately with CUDA events after the ranks meet; the figure is the median over
 iterations of the slowest rank. TFLOP/s = 6*T*K*H*I / latency (backward: twice the FLOP).
 """

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-"""NVLink multicast stays off on the shared H200 hosts (shared/device-facts.md); set unless the
-caller set them."""
+"""NVLink multicast stays off (the shared H200 hosts do not allow it); set unless the caller set
+them."""
 
 
 def set_safe_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:

@@ -1,23 +1,23 @@
 """``python -m megatron_mok.bench tune``: pick the megakernel's tunables for one shape.
 
 Run under torchrun with the EP size of the deployment (or its per-GPU load via
-``--experts-per-gpu``). For each candidate (comm SMs, minibatch rows, ring rows) it checks the
-megakernel's output against the ``cuda`` backend's, then times the forward (with grad, as in
-training, unless ``--no-grad``; warm-up, CUDA events, the median over iterations of the slowest
-rank) and writes the fastest as Megatron
-flags to ``--out`` (an args file the launcher reads with ``@FILE``), with every candidate's
-time in its comments::
+``--experts-per-gpu``). For each candidate (comm SMs, minibatch rows, ring rows, pair mode,
+group size) it checks the megakernel's output against the ``cuda`` backend's, then times the
+forward (with grad, as in training, unless ``--no-grad``; warm-up, CUDA events, the median over
+iterations of the slowest rank) and writes the fastest as Megatron flags to ``--out`` (an args
+file the launcher reads with ``@FILE``), with every candidate's time in its comments::
 
     torchrun --nproc-per-node 2 -m megatron_mok.bench tune --shape kimi-k2 --tokens 4096 \\
         --experts-per-gpu 6 --out tuned.args
     python -m megatron_mok.pretrain_gpt @my-model.args @tuned.args ...
 
-Candidates: ``--candidates C:M:R[:PAIRS] ...`` (empty fields take the defaults of
-:meth:`megatron_mok.MoKConfig.resolve`; PAIRS is on, off or auto, pair mode of
-``MoKConfig.megakernel_pairs``), else :func:`default_candidates`: 8, 10, 12 and 16 comm SMs with
-the default minibatch, 10 with twice the default minibatch (rings of four minibatches), and 10
-at the default minibatch with pair mode the other way than the shape's default. The args file
-always pins pair mode (on or off) to what the winner ran.
+Candidates: ``--candidates COMM:MINIBATCH:RING[:PAIRS[:GROUP]] ...``. An empty field takes the
+default (:meth:`megatron_mok.MoKConfig.resolve` for COMM, MINIBATCH and RING, the library's for
+PAIRS and GROUP); PAIRS is on, off or auto (``MegakernelTunables.pairs``), GROUP the row blocks
+of a group (``MegakernelTunables.group_blocks``, even, 2 to 64). E.g. ``8:::off`` (8 comm SMs,
+single CTAs) or ``::::16`` (groups of 16 blocks). Without ``--candidates``:
+:func:`default_candidates`. The args file always pins every tunable (comm SMs, minibatch, ring,
+``--mok-megakernel-pairs on|off``, ``--mok-megakernel-group-blocks N``) to what the winner ran.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..config import MoKConfig, MoKConfigError
+from ..config import MegakernelTunables, MoKConfig, MoKConfigError
 from .machine import init_distributed
 from .routing import RoutingSpec, make_routing
 from .shapes import SHAPES, make_case, resolve_shape
@@ -41,6 +41,10 @@ MAX_REL_DIFF = 2e-2
 """Largest relative difference to the cuda backend's output a candidate may show (bf16)."""
 
 
+PAIRS_VALUES = {"": None, "auto": None, "on": True, "off": False}
+"""Spellings of a candidate's PAIRS field (None: the library's default)."""
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One setting of the megakernel's tunables (None: the default)."""
@@ -48,50 +52,75 @@ class Candidate:
     comm_sms: Optional[int]
     minibatch_rows: Optional[int]
     ring_rows: Optional[int]
-    pairs: Optional[bool] = None  # MoKConfig.megakernel_pairs (None: from the shape)
+    pairs: Optional[bool] = None          # MegakernelTunables.pairs
+    group_blocks: Optional[int] = None    # MegakernelTunables.group_blocks
 
     @staticmethod
     def parse(text: str) -> "Candidate":
-        """'16:2048:8192' or '16:2048:8192:off' (empty fields: default) -> Candidate."""
+        """'16:2048:8192', '16:2048:8192:off' or '16:2048:8192:on:16' (empty fields: default)
+        -> Candidate. Raises ValueError naming the field and the rule."""
         parts = text.split(":")
-        if len(parts) not in (3, 4):
-            raise ValueError(f"candidate {text!r} must be COMM:MINIBATCH:RING or COMM:MINIBATCH:RING:PAIRS "
+        if not 3 <= len(parts) <= 5:
+            raise ValueError(f"candidate {text!r} must be COMM:MINIBATCH:RING[:PAIRS[:GROUP]] "
                              "(empty fields take the default)")
+        parts += [""] * (5 - len(parts))
         try:
-            values = [int(p) if p else None for p in parts[:3]]
+            comm, minibatch, ring, group = (int(p) if p else None for p in parts[:3] + parts[4:])
         except ValueError:
-            raise ValueError(f"candidate {text!r}: COMM, MINIBATCH and RING must be integers or empty") from None
-        pairs = {"": None, "auto": None, "on": True, "off": False}.get(parts[3] if len(parts) == 4 else "", "bad")
-        if pairs == "bad":
+            raise ValueError(f"candidate {text!r}: COMM, MINIBATCH, RING and GROUP must be integers or empty") from None
+        if parts[3] not in PAIRS_VALUES:
             raise ValueError(f"candidate {text!r}: PAIRS must be on, off, auto or empty")
-        return Candidate(*values, pairs=pairs)
+        return Candidate(comm, minibatch, ring, pairs=PAIRS_VALUES[parts[3]], group_blocks=group)
 
     def config(self, base: MoKConfig) -> MoKConfig:
-        return MoKConfig(comm_sms_forward=self.comm_sms, minibatch_rows=self.minibatch_rows,
-                         ring_rows=self.ring_rows, megakernel_pairs=self.pairs, tile_rows=base.tile_rows,
-                         timeout_s=base.timeout_s, max_tokens_per_rank=base.max_tokens_per_rank)
+        """``base`` with this candidate's tunables (its None fields left to the defaults).
+        Raises MoKConfigError for a value the config rejects."""
+        return dataclasses.replace(
+            base, comm_sms_forward=self.comm_sms, minibatch_rows=self.minibatch_rows, ring_rows=self.ring_rows,
+            megakernel=MegakernelTunables(pairs=self.pairs, group_blocks=self.group_blocks))
+
+    def __str__(self) -> str:
+        pairs = {None: "", True: "on", False: "off"}[self.pairs]
+        fields = [self.comm_sms, self.minibatch_rows, self.ring_rows]
+        return ":".join("" if v is None else str(v) for v in fields) + f":{pairs}:" + (
+            "" if self.group_blocks is None else str(self.group_blocks))
 
 
-def default_candidates(default_minibatch: int, default_pairs: bool, default_comm: int = 8) -> List[Candidate]:
-    """4, 6, 8 and 10 comm SMs at the default minibatch (the defaults run 4-8: the comm SMs only
-    pull since the twelfth session); the default comm SMs at twice it (rings of four), and at
-    the default minibatch with pair mode the other way than ``default_pairs`` (what the call
-    would get): pair mode's gain moved between machines and timing methods (docs/perf-notes.md,
-    ninth and twelfth sessions)."""
+def default_candidates(default_minibatch: int, default_pairs: bool, default_comm: int = 8,
+                       default_group_blocks: int = 8) -> List[Candidate]:
+    """The candidates tried without ``--candidates``: 4, 6, 8 and 10 comm SMs at the default
+    minibatch (the comm SMs only pull; the default is 8, or 6 where reading the expert weights
+    bounds the forward, 2 fewer without grad); then, at the default comm SMs (what the call
+    would get): twice the minibatch (rings of four); pair mode the other way than
+    ``default_pairs``; groups of 16 blocks (8 when the default is 16). Pair mode's gain and the
+    best group size moved with the expert load and the machine (docs/perf-notes.md)."""
     out = [Candidate(c, default_minibatch, 4 * default_minibatch) for c in (4, 6, 8, 10)]
     out.append(Candidate(default_comm, 2 * default_minibatch, 8 * default_minibatch))
     out.append(Candidate(default_comm, default_minibatch, 4 * default_minibatch, pairs=not default_pairs))
+    out.append(Candidate(default_comm, default_minibatch, 4 * default_minibatch,
+                         group_blocks=8 if default_group_blocks == 16 else 16))
     return out
 
 
+def describe(resolved: MoKConfig) -> str:
+    """The tunables of a resolved config as the results and the args file's comments name them."""
+    mk = resolved.megakernel
+    return (f"comm {resolved.comm_sms_forward}, minibatch {resolved.minibatch_rows}, ring {resolved.ring_rows}, "
+            f"pairs asked {'on' if mk.pairs else 'off'}, group blocks {mk.group_blocks}")
+
+
 def args_file_text(best: MoKConfig, lines: Sequence[str]) -> str:
-    """The args file: the winning tunables as Megatron flags, the measurements as comments."""
+    """The args file: the winning tunables as Megatron flags, the measurements as comments.
+    ``best`` is resolved (``megakernel_backend.resolve_tunables``); a megakernel field left None
+    writes no flag for it."""
     head = [f"# Written by `python -m megatron_mok.bench tune` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC."]
     head += [f"# {line}" for line in lines]
     flags = [f"--mok-comm-sms-forward {best.comm_sms_forward}", f"--mok-minibatch-rows {best.minibatch_rows}",
              f"--mok-ring-rows {best.ring_rows}"]
-    if best.megakernel_pairs is not None:
-        flags.append(f"--mok-megakernel-pairs {'on' if best.megakernel_pairs else 'off'}")
+    if best.megakernel.pairs is not None:
+        flags.append(f"--mok-megakernel-pairs {'on' if best.megakernel.pairs else 'off'}")
+    if best.megakernel.group_blocks is not None:
+        flags.append(f"--mok-megakernel-group-blocks {best.megakernel.group_blocks}")
     return "\n".join(head + flags) + "\n"
 
 
@@ -105,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
     ap.add_argument("--experts-per-gpu", type=int, default=None, help="default: the model's experts / GPUs")
     ap.add_argument("--routing", choices=("uniform", "zipf", "hot"), default="uniform")
-    ap.add_argument("--candidates", nargs="+", default=None, help="COMM:MINIBATCH:RING[:PAIRS] settings to try (PAIRS: on, off, auto)")
+    ap.add_argument("--candidates", nargs="+", default=None,
+                    help="COMM:MINIBATCH:RING[:PAIRS[:GROUP]] settings to try (PAIRS: on, off, auto; GROUP: row "
+                         "blocks of a group; empty fields: the default)")
     ap.add_argument("--no-grad", action="store_true",
                     help="time the forward without grad (inference); default: with grad, as in training")
     ap.add_argument("--warmup", type=int, default=60,
@@ -141,8 +172,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     base = MoKConfig(max_tokens_per_rank=T)
     if candidates is None:
         default = megakernel_backend.resolve_tunables(base, call_shape, env.world, sms)
-        candidates = default_candidates(default.minibatch_rows, megakernel_backend.use_pairs(),
-                                        base.forward_comm_sms(default, saves_activations=not args.no_grad))
+        candidates = default_candidates(default.minibatch_rows, default.megakernel.pairs,
+                                        base.forward_comm_sms(default, saves_activations=not args.no_grad),
+                                        default.megakernel.group_blocks)
     ids, weights = make_routing(RoutingSpec(kind=args.routing), T, case.num_experts, K,
                                 seed=args.seed + env.rank, device=env.device)
     gen = torch.Generator(device=env.device).manual_seed(args.seed + 100 + env.rank)
@@ -158,11 +190,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with torch.set_grad_enabled(not args.no_grad):
         results = []
         for cand in candidates:
-            cfg = cand.config(base)
             try:
+                cfg = cand.config(base)
                 resolved = megakernel_backend.resolve_tunables(cfg, call_shape, env.world, sms)
-                # Pin pair mode to what this candidate runs, so the args file says it.
-                resolved = dataclasses.replace(resolved, megakernel_pairs=megakernel_backend.use_pairs(cfg))
+                # The comm SMs this launch runs (a forward without grad takes fewer by default),
+                # so the args file pins what was timed.
+                resolved = dataclasses.replace(resolved, comm_sms_forward=cfg.forward_comm_sms(
+                    resolved, saves_activations=not args.no_grad))
             except MoKConfigError as err:
                 results.append((cand, None, None, f"rejected: {err}"))
                 continue
@@ -188,8 +222,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lines = [f"{shape.name}, {L} experts/GPU, {T} tokens/GPU, {env.world} GPU(s), routing {args.routing}: "
              f"megakernel forward {'without grad' if args.no_grad else 'with grad (training)'}, median of the slowest rank"]
     for cand, resolved, ms, note in results:
-        setting = (f"comm {resolved.comm_sms_forward}, minibatch {resolved.minibatch_rows}, ring {resolved.ring_rows}, "
-                   f"pairs asked {'on' if resolved.megakernel_pairs else 'off'}" if resolved is not None else f"{cand}")
+        setting = describe(resolved) if resolved is not None else f"{cand}"
         lines.append(f"  {setting}: " + (f"{ms:.3f} ms ({flop / ms / 1e9:.0f} TFLOP/s), {note}" if ms else note))
     if env.rank == 0:
         print("\n".join(lines), flush=True)
@@ -202,6 +235,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(args_file_text(best, lines))
-        print(f"best: comm {best.comm_sms_forward}, minibatch {best.minibatch_rows}, ring {best.ring_rows}, "
-              f"pairs asked {'on' if best.megakernel_pairs else 'off'} -> {args.out}", flush=True)
+        print(f"best: {describe(best)} -> {args.out}", flush=True)
     return 0

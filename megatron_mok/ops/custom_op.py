@@ -3,7 +3,7 @@
 The custom op is what ``torch.compile`` and fake tensors see (its registered fake gives the
 output shapes). In eager mode the dispatcher's custom-op path (autograd and ADInplaceOrView
 redispatch, version-counter bumps for every input of a ``mutates_args="unknown"`` op) cost
-0.2-0.3 ms of host time per call on the GPU machine (scripts/host_profile.py, docs/perf-notes.md):
+0.2-0.3 ms of host time per call on the GPU machine (tools/perf/host_profile.py, docs/perf-notes.md):
 most of the megakernel backend's host time per layer, which a GPU waits for whenever nothing else
 is queued ahead of the launch. Our ops are never differentiated through the dispatcher (the
 backends wrap them in ``torch.autograd.Function``), so an eager call of plain tensors runs the

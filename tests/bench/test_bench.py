@@ -5,13 +5,11 @@ that write the JSON, PNG and Markdown outputs."""
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -22,11 +20,11 @@ from megatron_mok.bench import __main__ as bench_main
 from megatron_mok.bench import e2e, layer, report
 from megatron_mok.bench.a2a_baseline import _source_to_expert_order
 from megatron_mok.bench.floors import H200, DeviceRates, hbm_bytes, layer_floors, model_flops, rates_with
-from megatron_mok.bench.megatron_log import LogError, parse_log, summarize
 from megatron_mok.bench.routing import RouteCounts, RoutingError, RoutingSpec, count_routes, make_routing
 from megatron_mok.bench.shapes import SHAPES, ShapeError, make_case, resolve_shape
 from megatron_mok.bench.timing import slowest_rank_medians
-from megatron_mok.config import MoKConfig
+from megatron_mok.config import MegakernelTunables, MoKConfig, MoKConfigError
+from megatron_mok.megatron.training_log import LogError, parse_log, summarize
 
 from tests.distributed import run_ranks
 
@@ -258,7 +256,7 @@ def test_layer_run_on_gloo_writes_checked_results(tmp_path):
 
     doc = json.loads((out / "small.json").read_text())
     assert doc["schema"] == "megatron-mok/bench-layer/1"
-    assert doc["rates"]["gemm_tflops"] == 792.0 and "device-facts" in doc["rates"]["source"]
+    assert doc["rates"]["gemm_tflops"] == 792.0 and "measured on an H200" in doc["rates"]["source"]
     assert doc["command"].startswith("torchrun --nproc-per-node 2 -m megatron_mok.bench layer")
     assert [r["label"] for r in doc["runs"]] == ["custom, 4 exp/GPU", "custom, 2 exp/GPU"]
     for run in doc["runs"]:
@@ -454,43 +452,66 @@ def _free_port() -> int:
 # ---- the tune command (its GPU run is in docs/megakernel.md) ---------------------------------
 
 def test_tune_candidates_parse_and_name_bad_input():
-    from megatron_mok.bench.tune import Candidate, default_candidates
+    from megatron_mok.bench.tune import Candidate
 
     assert Candidate.parse("16:2048:8192") == Candidate(16, 2048, 8192)
     assert Candidate.parse("::") == Candidate(None, None, None)
     assert Candidate.parse("12::") == Candidate(12, None, None)
     assert Candidate.parse("10:2048:8192:off") == Candidate(10, 2048, 8192, pairs=False)
     assert Candidate.parse("10:::on").pairs is True and Candidate.parse("10:::auto").pairs is None
-    assert Candidate.parse("10:::on").config(MoKConfig()).megakernel_pairs is True
+    assert Candidate.parse("::::16") == Candidate(None, None, None, group_blocks=16)
+    assert Candidate.parse("8:1024:4096:off:4") == Candidate(8, 1024, 4096, pairs=False, group_blocks=4)
+    assert Candidate.parse(str(Candidate(8, None, 4096, pairs=True, group_blocks=16))) == \
+        Candidate(8, None, 4096, pairs=True, group_blocks=16)
+    cfg = Candidate.parse("10:::on:16").config(MoKConfig(max_tokens_per_rank=64, timeout_s=5.0))
+    assert cfg.megakernel == MegakernelTunables(pairs=True, group_blocks=16)
+    assert (cfg.comm_sms_forward, cfg.max_tokens_per_rank, cfg.timeout_s) == (10, 64, 5.0)
+    assert Candidate.parse("::").config(MoKConfig()).megakernel == MegakernelTunables()
     with pytest.raises(ValueError, match="must be COMM:MINIBATCH:RING"):
         Candidate.parse("16:2048")
+    with pytest.raises(ValueError, match="must be COMM:MINIBATCH:RING"):
+        Candidate.parse("1:2:3:on:8:9")
     with pytest.raises(ValueError, match="must be integers or empty"):
         Candidate.parse("a:b:c")
+    with pytest.raises(ValueError, match="must be integers or empty"):
+        Candidate.parse("::::big")
     with pytest.raises(ValueError, match="PAIRS must be on, off, auto or empty"):
         Candidate.parse("10:::yes")
+    with pytest.raises(MoKConfigError, match="group_blocks=3"):  # the config's rule, when it is built
+        Candidate.parse("::::3").config(MoKConfig())
+
+
+def test_tune_default_candidates_try_each_tunable_the_other_way():
+    from megatron_mok.bench.tune import default_candidates
+
     for default_pairs in (True, False):
         cands = default_candidates(2048, default_pairs)
-        assert [c.comm_sms for c in cands] == [4, 6, 8, 10, 8, 8]
+        assert [c.comm_sms for c in cands] == [4, 6, 8, 10, 8, 8, 8]
         assert all(c.ring_rows == 4 * c.minibatch_rows for c in cands)
-        assert cands[4].minibatch_rows == 4096
-        # The shape's own pair mode for all but the last, which tries the other one.
-        assert [c.pairs for c in cands] == [None] * 5 + [not default_pairs]
-        assert cands[5].minibatch_rows == 2048
-    # In the weight-bound regime the default is 6 comm SMs (4 without grad); the last two
+        assert [c.minibatch_rows for c in cands] == [2048] * 4 + [4096, 2048, 2048]
+        # The defaults for all but two: pair mode the other way, then groups of 16.
+        assert [c.pairs for c in cands] == [None] * 5 + [not default_pairs, None]
+        assert [c.group_blocks for c in cands] == [None] * 6 + [16]
+    assert default_candidates(2048, True, default_group_blocks=16)[-1].group_blocks == 8
+    # In the weight-bound regime the default is 6 comm SMs (4 without grad); the last three
     # candidates follow it.
-    assert [c.comm_sms for c in default_candidates(2048, True, 6)] == [4, 6, 8, 10, 6, 6]
-    assert [c.comm_sms for c in default_candidates(2048, True, 4)] == [4, 6, 8, 10, 4, 4]
+    assert [c.comm_sms for c in default_candidates(2048, True, 6)] == [4, 6, 8, 10, 6, 6, 6]
+    assert [c.comm_sms for c in default_candidates(2048, True, 4)] == [4, 6, 8, 10, 4, 4, 4]
 
 
 def test_tune_args_file_holds_the_winner_as_megatron_flags(tmp_path):
-    from megatron_mok.bench.tune import args_file_text
+    from megatron_mok.bench.tune import args_file_text, describe
 
-    best = MoKConfig(comm_sms_forward=16, minibatch_rows=2048, ring_rows=8192, megakernel_pairs=False)
+    best = MoKConfig(comm_sms_forward=16, minibatch_rows=2048, ring_rows=8192,
+                     megakernel=MegakernelTunables(pairs=False, group_blocks=16))
+    assert describe(best) == "comm 16, minibatch 2048, ring 8192, pairs asked off, group blocks 16"
     text = args_file_text(best, ["Kimi-K2: 5.4 ms", "  comm 16: 5.4 ms"])
     flags = [line for line in text.splitlines() if not line.startswith("#")]
     assert flags == ["--mok-comm-sms-forward 16", "--mok-minibatch-rows 2048", "--mok-ring-rows 8192",
-                     "--mok-megakernel-pairs off"]
+                     "--mok-megakernel-pairs off", "--mok-megakernel-group-blocks 16"]
     assert "# Kimi-K2: 5.4 ms" in text
+    on = args_file_text(dataclasses.replace(best, megakernel=MegakernelTunables(pairs=True)), [])
+    assert on.splitlines()[-1] == "--mok-megakernel-pairs on"  # a field left None writes no flag
     # The launcher's argument parser takes the flags (megatron_mok.megatron.arguments).
     import argparse
 
@@ -498,9 +519,7 @@ def test_tune_args_file_holds_the_winner_as_megatron_flags(tmp_path):
     parser = add_mok_arguments(argparse.ArgumentParser())
     ns = parser.parse_args(" ".join(flags).split())
     assert (ns.mok_comm_sms_forward, ns.mok_minibatch_rows, ns.mok_ring_rows) == (16, 2048, 8192)
-    assert settings_from_args(ns).config.megakernel_pairs is False
-    on = args_file_text(dataclasses.replace(best, megakernel_pairs=True), [])
-    assert on.splitlines()[-1] == "--mok-megakernel-pairs on"
+    assert settings_from_args(ns).config.megakernel == MegakernelTunables(pairs=False, group_blocks=16)
 
 
 def test_tune_without_a_gpu_says_so(capsys, monkeypatch):
@@ -511,231 +530,19 @@ def test_tune_without_a_gpu_says_so(capsys, monkeypatch):
     assert "needs an sm_90 GPU" in capsys.readouterr().out
     assert tune.main(["--candidates", "1:2"]) == 2
     assert "must be COMM:MINIBATCH:RING" in capsys.readouterr().out
+    assert tune.main(["--candidates", "::::x"]) == 2
+    assert "must be integers or empty" in capsys.readouterr().out
 
 
-def test_block_rounds_time_blocks_in_thue_morse_order_after_preheat_and_warmup():
-    from megatron_mok.bench.timing import BLOCK_ORDER, block_rounds
+def test_performance_experiments_are_not_part_of_the_package():
+    """The A/B statistics and the one-off instruments live in tools/perf, outside the package:
+    the benchmarks' timing module keeps the stopwatch, the ranks' alignment and the slowest
+    rank's median."""
+    from megatron_mok.bench import timing
 
-    assert BLOCK_ORDER == "ABBABAAB"  # linear and quadratic drifts cancel: positions 1 4 6 7 / 2 3 5 8
-    pos = {c: [i + 1 for i, x in enumerate(BLOCK_ORDER) if x == c] for c in "AB"}
-    assert sum(pos["A"]) == sum(pos["B"]) and sum(p * p for p in pos["A"]) == sum(p * p for p in pos["B"])
-    calls, setups = [], []
-    variants = [("a", lambda: calls.append("a")), ("b", lambda: (calls.append("b"), time.sleep(0.002)))]
-    times = block_rounds(variants, 3, None, torch.device("cpu"), warmup=2, preheat=3,
-                         setup=lambda: setups.append(len(calls)))
-    block = lambda c: [c] * 5  # each block: 2 untimed, then 3 timed calls
-    assert calls == ["a", "b", "a"] + sum((block(c.lower()) for c in BLOCK_ORDER), [])
-    assert setups == list(range(len(calls)))  # setup before every call, the preheat's too
-    assert sorted(times) == ["a", "b"] and len(times["a"]) == len(times["b"]) == 12
-    assert all(t >= 2.0 for t in times["b"]) and all(0 <= t < 2.0 for t in times["a"])
-    calls.clear()
-    block_rounds(variants, 1, None, torch.device("cpu"), warmup=0, order="ABBA")
-    assert calls == ["a", "b", "b", "a"]
-    with pytest.raises(ValueError, match="letters A and B"):
-        block_rounds(variants, 1, None, torch.device("cpu"), order="AAA")
-    with pytest.raises(ValueError, match="would merge"):
-        block_rounds([variants[0], variants[0]], 1, None, torch.device("cpu"))
-
-
-def test_block_differences_put_blocks_back_in_order_and_correct_for_positions():
-    from megatron_mok.bench.timing import b_minus_a, blocks_by_position, position_corrected
-
-    # Two calls per block, the block's median between them; A ran at positions 1 4 6 7, B at 2 3 5 8.
-    spread = lambda blocks: sum(([m - 0.01, m + 0.01] for m in blocks), [])
-    blocks = blocks_by_position(spread([6.2, 5.8, 5.7, 5.7]), spread([5.6, 5.6, 5.7, 5.8]), 2)
-    assert blocks == pytest.approx([6.2, 5.6, 5.6, 5.8, 5.7, 5.7, 5.7, 5.8])
-    assert b_minus_a(blocks) == pytest.approx(5.675 - 5.85)
-    assert b_minus_a(blocks, skip_first=True) == pytest.approx(5.675 - (5.8 + 5.7 + 5.7) / 3)
-    with pytest.raises(ValueError, match="expected 4 blocks x 2 rounds"):
-        blocks_by_position([1.0] * 7, [1.0] * 8, 2)
-    # Runs that share a position profile (first block slow, second and third fast) and differ by
-    # B - A of 0, +0.1, -0.1 and +0.2: the correction recovers those, where the raw means do not.
-    profile = [0.3, -0.15, -0.12, 0.05, 0.05, -0.1, -0.08, 0.05]
-    effects = [0.0, 0.1, -0.1, 0.2]
-    runs = [[5.5 + p + (e if letter == "B" else 0.0) for p, letter in zip(profile, "ABBABAAB")] for e in effects]
-    raw = [b_minus_a(r) for r in runs]
-    assert raw == pytest.approx([e - 0.085 for e in effects])  # B's positions run 0.085 ms faster here
-    corrected = position_corrected(runs)
-    # The other runs' own effects stay in their profile: exact up to their mean effect's share.
-    for got, e, i in zip(corrected, effects, range(4)):
-        others = sum(effects) - e
-        assert got == pytest.approx(e - others / 3, abs=1e-9)
-    assert [b - a for a, b in zip(corrected, corrected[1:])] == pytest.approx(
-        [(b - a) * 4 / 3 for a, b in zip(effects, effects[1:])])
-    with pytest.raises(ValueError, match="at least three"):
-        position_corrected(runs[:2])
-
-
-def test_ab_positions_script_reads_paired_runs_and_skips_bound_lines(capsys, monkeypatch):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "ab_positions.py"
-    spec = importlib.util.spec_from_file_location("ab_positions", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    text = "\n".join([
-        "# a comment",
-        "L=48 ::: X=1 5.7 ms, X=0 5.6 ms (...); X=1 by block 6.2 5.8 5.7 5.7; X=0 by block 5.6 5.6 5.7 5.8",
-        "L=48 settings: :: 5.7 ms, 10:: 5.7 ms (...); :: by block 6.1 5.8 5.7 5.7; 10:: by block 5.6 5.6 5.9 5.8",
-        "L=48 ::: Y=a 5.8 ms (...); Y=a by block 6.0 5.9 5.8 5.8; Y=b by block 5.7 5.7 5.8 5.8",
-        "L=48 ::: megakernel 5.8 ms, torch (...); ratio 1.16x; "
-        "megakernel by block 5.7 5.8 5.8 5.8; torch by block 5.0 5.1 5.0 5.0",
-        "L=6-grad ::: Z=1 by block 5.0 5.1 5.2 5.1; Z=0 by block 5.0 5.2 5.0 5.1",
-    ])
-    runs = script.parse_runs(text)
-    assert sorted(runs) == ["L=48", "L=6-grad"] and len(runs["L=48"]) == 3  # the bound line is skipped
-    label, blocks = runs["L=48"][1]
-    assert label == ":: against 10::" and blocks == [6.1, 5.6, 5.6, 5.8, 5.9, 5.7, 5.7, 5.8]
-    lines = script.report(runs)
-    assert len(lines) == 5 and "needs three or more" in lines[-1]
-    assert lines[1].startswith("L=48 | X=1 against X=0 | -0.175 | -0.058 |")
-    monkeypatch.setattr("sys.stdin", io.StringIO("L=48 ::: nothing paired here\n"))
-    assert script.main([]) == 2
-    assert "no paired block runs" in capsys.readouterr().out
-    monkeypatch.setattr("sys.stdin", io.StringIO(text))
-    assert script.main([]) == 0
-    assert capsys.readouterr().out.splitlines() == lines
-
-
-def test_back_to_back_rounds_time_each_call_from_the_previous_end():
-    from megatron_mok.bench.timing import back_to_back_rounds, block_rounds
-
-    calls, setups = [], []
-    sleeps = iter([0.0] * 3 + [0.003, 0.001, 0.003, 0.001])  # 2 warmup + 1 untimed lead, then 4 timed
-
-    def call():
-        calls.append("c")
-        time.sleep(next(sleeps))
-    times = back_to_back_rounds("c", call, 4, None, torch.device("cpu"), warmup=2,
-                                setup=lambda: setups.append(len(calls)))
-    assert len(calls) == 7 and setups == list(range(7))  # setup before every call, timed or not
-    got = times["c"]
-    assert len(got) == 4
-    assert got[0] >= 3.0 and got[2] >= 3.0 and 1.0 <= got[1] < 3.0 and 1.0 <= got[3] < 3.0, got
-    variants = [("a", lambda: None), ("b", lambda: None)]
-    both = block_rounds(variants, 2, None, torch.device("cpu"), warmup=1, back_to_back=True)
-    assert len(both["a"]) == len(both["b"]) == 8
-    with pytest.raises(ValueError, match="choose one"):
-        block_rounds(variants, 1, None, torch.device("cpu"), back_to_back=True, host_lead_ms=1.0)
-
-
-def test_interleaved_rounds_alternate_the_order_and_drop_the_warmup():
-    from megatron_mok.bench.timing import interleaved_rounds
-
-    calls, setups = [], []
-    variants = [("a", lambda: calls.append("a")), ("b", lambda: (calls.append("b"), time.sleep(0.002)))]
-    times = interleaved_rounds(variants, 3, None, torch.device("cpu"), warmup=2,
-                               setup=lambda: setups.append(len(calls)))
-    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]  # 5 rounds, order flips each
-    assert setups == list(range(10))  # before every call, untimed
-    assert sorted(times) == ["a", "b"] and len(times["a"]) == len(times["b"]) == 3
-    assert all(t >= 2.0 for t in times["b"]) and all(0 <= t < 2.0 for t in times["a"])
-
-
-def _ncu_bytes_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "ncu_bytes.py"
-    spec = importlib.util.spec_from_file_location("ncu_bytes", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _ncu_csv(kernels, clock=True):
-    """An `ncu --csv --page raw` output: program output, the header, the units row, one row per
-    (name, ns, read, written, l2, pct[, hz])."""
-    cols = ["ID", "Kernel Name", "dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum",
-            "lts__t_bytes.sum", "sm__throughput.avg.pct_of_peak_sustained_elapsed"]
-    cols += ["sm__cycles_elapsed.avg.per_second"] if clock else []
-    lines = ["rank 0/1: torch._grouped_mm fc1 + fc2 alone", "==PROF== Disconnected",
-             ",".join(f'"{c}"' for c in cols), ",".join(['""', '""', '"byte"', '"byte"', '"ns"', '"byte"', '"%"']
-                                                         + (['"hz"'] if clock else []))]
-    for i, (name, ns, rd, wr, l2, pct, hz) in enumerate(kernels):
-        vals = [str(i), name, f"{rd:,}", f"{wr:,}", f"{ns:,}", f"{l2:,}", str(pct)] + ([f"{hz:,}"] if clock else [])
-        lines.append(",".join(f'"{v}"' for v in vals))
-    return "\n".join(lines) + "\n"
-
-
-def test_ncu_bytes_summary_pairs_torch_launches_and_takes_medians():
-    """scripts/ncu_bytes.py: CUTLASS launches alternate fc1, fc2 and are summed per call; the
-    megakernel's launches give medians; the clock is weighted by time; units are converted."""
-    mod = _ncu_bytes_module()
-    gemm, mk = "void device_kernel<enable_3x_kernel_for_sm90>", "<unnamed>::forward_kernel(<unnamed>::KernelParams)"
-    kernels = [(gemm, 3_000_000, 5_000_000_000, 200_000_000, 20_000_000_000, 90.0, 1.5e9),
-               (gemm, 1_000_000, 2_000_000_000, 500_000_000, 10_000_000_000, 80.0, 1.7e9)] * 3
-    kernels[4] = (gemm, 3_200_000, 5_000_000_000, 200_000_000, 20_000_000_000, 90.0, 1.5e9)
-    kernels += [(mk, t, 8_000_000_000, 1_200_000_000, 37_000_000_000, 77.0, 1.4e9) for t in (4_500_000, 4_600_000, 9_000_000)]
-    summary = mod.summarize(mod.read_ncu_csv(_ncu_csv(kernels)))
-    assert set(summary) == {"megakernel", "torch fc1", "torch fc2", "torch fc1 + fc2"}
-    assert summary["megakernel"]["time_ms"] == pytest.approx(4.6)
-    assert summary["megakernel"]["dram_read_gb"] == pytest.approx(8.0)
-    assert summary["torch fc1"]["time_ms"] == pytest.approx(3.0)
-    assert summary["torch fc2"]["dram_write_gb"] == pytest.approx(0.5)
-    both = summary["torch fc1 + fc2"]
-    assert both["time_ms"] == pytest.approx(4.0) and both["dram_read_gb"] == pytest.approx(7.0)
-    assert both["l2_gb"] == pytest.approx(30.0)
-    assert both["sm_pct"] == pytest.approx((90 * 3 + 80 * 1) / 4)
-    assert both["clock_mhz"] == pytest.approx((1500 * 3 + 1700 * 1) / 4)
-    text = mod.format_summary(summary)
-    assert "megakernel: 4.600 ms, DRAM read 8.00 GB" in text and "SM clock 1400 MHz" in text
-
-
-def test_ncu_bytes_rejects_missing_metrics_and_unpaired_launches():
-    mod = _ncu_bytes_module()
-    gemm = "void device_kernel<x>"
-    no_clock = mod.read_ncu_csv(_ncu_csv([(gemm, 1000, 1, 1, 1, 1.0, 1.0)] * 2, clock=False))
-    assert "clock_mhz" not in no_clock[0] and "SM clock" not in mod.format_summary(mod.summarize(no_clock))
-    with pytest.raises(ValueError, match="expected fc1 and fc2"):
-        mod.summarize(mod.read_ncu_csv(_ncu_csv([(gemm, 1000, 1, 1, 1, 1.0, 1.0)] * 3)))
-    with pytest.raises(ValueError, match="no ncu CSV header"):
-        mod.read_ncu_csv("just the program's output\n")
-    text = _ncu_csv([(gemm, 1000, 1, 1, 1, 1.0, 1.0)] * 2).replace("lts__t_bytes.sum", "lts__other")
-    with pytest.raises(ValueError, match="lts__t_bytes.sum"):
-        mod.read_ncu_csv(text)
-
-
-def test_call_kernels_splits_the_profile_at_each_megakernel():
-    """scripts/call_kernels.py: the work between two megakernels is one call's; medians per
-    kernel name and of the gaps; too few megakernels is an error."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "call_kernels.py"
-    spec = importlib.util.spec_from_file_location("call_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    events, t = [], 0.0
-    for call, publish_us in enumerate([28.0, 30.0, 29.0]):
-        events += [("Memcpy DtoH", t + 2, t + 4), ("publish_kernel", t + 12, t + 12 + publish_us),
-                   ("publish_kernel", t + 13, t + 16), ("forward_kernel(KernelParams)", t + 50, t + 5050)]
-        t += 5050
-    summary = mod.per_call(events, "forward_kernel")
-    assert summary["calls"] == 2
-    # From the end of call 0's megakernel (5050) to call 1's start (5100): 50 us; idle before the copy 2 us.
-    assert summary["between_us"] == pytest.approx(50.0) and summary["idle_us"] == pytest.approx(2.0)
-    assert summary["marker_us"] == pytest.approx(5000.0) and summary["period_us"] == pytest.approx(5050.0)
-    kernels = {name: (n, us) for name, n, us in summary["kernels"]}
-    assert kernels["publish_kernel"] == (2, pytest.approx(29.5)) and kernels["Memcpy DtoH"] == (2, pytest.approx(2.0))
-    assert kernels["publish_kernel [2]"] == (2, pytest.approx(3.0))  # a second launch in a call, counted apart
-    assert [name for name, _, _ in summary["kernels"]] == ["Memcpy DtoH", "publish_kernel", "publish_kernel [2]",
-                                                          "forward_kernel(KernelParams)"]
-    text = mod.format_per_call(summary, "rank 0/2 L=48")
-    assert "medians over 2" in text and "publish_kernel: 2 launches, 29.5 us" in text
-    with pytest.raises(ValueError, match="need two calls"):
-        mod.per_call(events[:3], "forward_kernel")
-
-
-def test_gpu_ab_loads_script_says_how_to_call_it():
-    """scripts/gpu_ab_loads.sh (a device script): without NAME=A,B it prints its usage and exits
-    2 before any GPU work; its shell parses."""
-    import subprocess
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_ab_loads.sh"
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    for args in ([], ["MOK_MEGAKERNEL_GROUP_BLOCKS=8"], ["16,8"]):
-        r = subprocess.run(["bash", str(script), *args], capture_output=True, text=True)
-        assert r.returncode == 2 and "usage: scripts/gpu_ab_loads.sh NAME=A,B" in r.stderr, (args, r.stderr)
+    assert {"Stopwatch", "align_ranks", "slowest_rank_medians", "gather_floats", "median"} <= set(vars(timing))
+    for name in ("interleaved_rounds", "block_rounds", "back_to_back_rounds", "BLOCK_ORDER",
+                 "position_corrected", "blocks_by_position", "b_minus_a", "hold_stream"):
+        assert not hasattr(timing, name), name
+    assert not (ROOT / "tools" / "perf" / "__init__.py").exists()
+    assert not (ROOT / "tools" / "__init__.py").exists()

@@ -1,8 +1,8 @@
 """DRAM and L2 bytes of the forward megakernel against torch._grouped_mm fc1 + fc2 alone, from
 an `ncu --csv --page raw` run of `megakernel_timeline.py --gemms-alone` (P = 1, one GPU):
 
-    bash scripts/ncu_bytes.sh 48 OUT_DIR     (runs ncu, then this script on its CSV)
-    python scripts/ncu_bytes.py OUT_DIR/ncu-48.csv
+    bash tools/perf/ncu_bytes.sh 48 OUT_DIR     (runs ncu, then this script on its CSV)
+    python tools/perf/ncu_bytes.py OUT_DIR/ncu-48.csv
 
 Prints, per side, the median over its profiled calls of the kernel time, DRAM bytes read and
 written, L2 bytes and the SM throughput (for torch: fc1 and fc2 apiece and their sum; its two
@@ -13,6 +13,7 @@ cap: compare bytes here, times with `megakernel_timeline.py --bound`.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import statistics
@@ -102,10 +103,10 @@ def format_summary(summary: Dict[str, Dict[str, float]]) -> str:
 
 
 def main(argv: List[str]) -> int:
-    if len(argv) != 1:
-        print(__doc__, file=sys.stderr)
-        return 2
-    with open(argv[0]) as f:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("csv", help="the output of `ncu --csv --page raw` (ncu_bytes.sh writes it)")
+    args = ap.parse_args(argv)
+    with open(args.csv) as f:
         print(format_summary(summarize(read_ncu_csv(f.read()))))
     return 0
 

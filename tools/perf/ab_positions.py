@@ -1,16 +1,18 @@
 """Paired block timings corrected for where their blocks ran.
 
-`scripts/megakernel_timeline.py --ab ... --blocks` (and `--ab-settings`) runs two variants in
+`tools/perf/megakernel_timeline.py --ab ... --blocks` (and `--ab-settings`) runs two variants in
 blocks A B B A B A A B and prints each variant's median per block. The blocks at some positions
-run faster or slower whatever the variant (docs/perf-notes.md, twentieth session, section 4), by
-as much as the changes being compared. Given the output of several such runs at one load, this
-prints for each run B - A on the block medians as they are, without the first block, and
-corrected by the other runs' mean position profile (`megatron_mok.bench.timing.position_corrected`).
+run faster or slower whatever the variant, by as much as the changes being compared
+(tools/perf/ab_stats.py). Given the output of several such runs at one load, this prints for
+each run B - A on the block medians as they are, without the first block, and corrected by the
+other runs' mean position profile (`ab_stats.position_corrected`).
 
-    python scripts/ab_positions.py OUTPUT.txt [...]     (or the output on standard input)
+    python tools/perf/ab_positions.py OUTPUT.txt [...]     (or the output on standard input)
 
 Runs are grouped by their load (the `L=...` the line starts with, e.g. `L=48`; rename it, say to
-`L=48-grad`, to keep runs of another kind apart); a load needs three runs or more.
+`L=48-grad`, to keep runs of another kind apart); a load needs three runs or more. A run's profile
+holds the other runs' own B - A too: give runs of several changes (or A/A runs) at a load, else
+the correction takes the change itself out.
 """
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for ab_stats' imports
 
-from megatron_mok.bench.timing import BLOCK_ORDER, b_minus_a, blocks_by_position, position_corrected  # noqa: E402
+from ab_stats import BLOCK_ORDER, b_minus_a, blocks_by_position, position_corrected  # noqa: E402
 
 BLOCKS = re.compile(r"(?:^|; )([^;]*?) by block ((?:\d+\.\d+ ?)+)")
 

@@ -1,4 +1,4 @@
-// CHECK(call): the standalone benchmarks' CUDA error check (scripts/*_bench.cu): prints the
+// CHECK(call): the standalone benchmarks. CUDA error check (tools/perf/*_bench.cu): prints the
 // failing call with its file, line and error string, and exits 1.
 #pragma once
 

@@ -5,18 +5,18 @@
 // launch's own combine_and_sum alone (one CTA of 384 threads per SM, as in the megakernel, the
 // combine-done flag already raised) and, on the same bytes, variants that change one thing each:
 //   read     every thread streams its share of the slots, 16 loads in flight, no sum: the ceiling
-//   chunkN   the sum as it was until the seventeenth session: a CTA takes N tokens per grab
-//            (CTA barriers around each grab), each thread 2 (token, vector) pairs in flight
+//   chunkN   a CTA-chunked sum (the design the token-major sum replaced): a CTA takes N tokens
+//            per grab (CTA barriers around each grab), each thread 2 (token, vector) pairs in flight
 //   pairsN   that loop with N pairs per thread in flight
 //   l2hint   that loop with ld.global.nc.L1::no_allocate.L2::256B loads
 //   tokmaj   each warp sums a quarter of one token's row (units from a counter), without ids:
-//            what the launch's sum does since the seventeenth session, less its ids mask
+//            what the launch's sum does, less its ids mask
 // Each variant is timed 20 times with the L2 flushed before every run (the sum reads rows that
 // were written long before, except the last few MB); median in us and GB/s of slot reads, and
 // whether its y is bitwise the launch's.
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc/include
-//        scripts/slot_sum_bench.cu -o slot_sum_bench
+//        tools/perf/slot_sum_bench.cu -o slot_sum_bench
 // Run on one GPU: ./slot_sum_bench
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -64,9 +64,8 @@ __global__ void product_sum(mok::mega::SumArgs a) {
   mok::mega::combine_and_sum(a, sh, threadIdx.x);
 }
 
-// The sum's loop until the seventeenth session, without the flag wait and the ids mask (every
-// slot valid here), with the grab size, the pairs in flight and the load instruction as
-// parameters.
+// The CTA-chunked sum, without the flag wait and the ids mask (every slot valid here), with the
+// grab size, the pairs in flight and the load instruction as parameters.
 template <int kChunk, int kPairs, bool kHint>
 __global__ void variant_sum(const uint4* __restrict__ slots, uint4* __restrict__ y, int32_t* next_token) {
   __shared__ int t0_shared;
@@ -247,8 +246,6 @@ int main() {
   a.vecs = kVecs;
   a.trace = mok::mega::Trace{nullptr, 0};
   a.trace_record = -1;
-  a.early = mok::mega::kNoEarlySum;  // the final sum alone, every token
-  a.L = kE;
 
   std::printf("slot sum, T %d K %d H %d: %.1f MB of slots, %d CTAs x %d threads\n", kT, kK, kH, slot_bytes / 1e6, grid,
               kSumThreads);

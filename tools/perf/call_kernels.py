@@ -2,12 +2,12 @@
 calls with torch.profiler and prints, per call, the time from one call's megakernel to the
 next call's, and each kernel's and copy's median duration.
 
-    torchrun --nproc-per-node 2 scripts/call_kernels.py --experts 48     (P = 2)
-    python scripts/call_kernels.py --experts 48                          (P = 1)
+    torchrun --nproc-per-node 2 tools/perf/call_kernels.py --experts 48     (P = 2)
+    python tools/perf/call_kernels.py --experts 48                          (P = 1)
 
-The work between the persistent kernels of two calls (publish, barrier, schedule, reset, the
-status mirror) is the part of a call that the kernel's own timeline does not show
-(docs/perf-notes.md, twenty-first session). Needs the CUDA library (an sm_90 GPU).
+The work between the persistent kernels of two calls (the prologue: publish, barrier, schedule,
+reset; the status word to the host) is the part of a call that the kernel's own timeline
+(megakernel_timeline.py) does not show. Needs the CUDA library (an sm_90 GPU).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Launch each grouped GEMM variant once on one benchmark case, for a profiler to look at.
 
     ncu --clock-control none --nvtx --nvtx-include measure/ \
-        python scripts/gemm_profile_case.py --model kimi-k2 --ep 8 --routing uniform --kernels fc1,fc2 --variants m128n256t,m128n256tc --torch
+        python tools/perf/gemm_profile_case.py --model kimi-k2 --ep 8 --routing uniform --kernels fc1,fc2 --variants m128n256t,m128n256tc --torch
 
 Uses the inputs of ``megatron_mok.bench.gemm`` (same counts, same padded layout), runs each
 requested (kernel, variant) once after one warm-up launch, and, with ``--torch``, the

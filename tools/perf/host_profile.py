@@ -2,8 +2,8 @@
 synchronisation between them, as in training) with cProfile and prints the functions that take
 the host's time, by own time and by cumulative time.
 
-    python scripts/host_profile.py --experts 6 --backend megakernel
-    torchrun --nproc-per-node 2 scripts/host_profile.py --experts 6 --backend cuda   (P = 2)
+    python tools/perf/host_profile.py --experts 6 --backend megakernel
+    torchrun --nproc-per-node 2 tools/perf/host_profile.py --experts 6 --backend cuda   (P = 2)
 
 The host time matters when nothing else is queued on the GPU (a synchronised benchmark, the
 first layer after a sync): the launch of the persistent kernel waits for all of it. With
@@ -14,8 +14,7 @@ and the GPU time of the whole call; --torch-trace DIR adds a torch.profiler trac
 calls (CUDA runtime calls with their host durations). Needs the CUDA library (an sm_90 GPU).
 
 Keep --iters below ~100 for the profile: calls queued back to back fill the CUDA launch queue
-after about that many, and the host then blocks in whichever launch finds it full
-(docs/perf-notes.md, thirteenth session).
+after about that many, and the host then blocks in whichever launch finds it full.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import os
 import pstats
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,30 +37,27 @@ from megatron_mok.bench.timing import align_ranks
 from megatron_mok.functional import check_errors, mok_moe
 
 # Steps of the megakernel backend's host path, in the order a call reaches them: (label, module
-# attribute path, "start" or "end") of each function whose start or return is timed from the
-# call's start. Steps a version of the package does not have are left out (the twelfth
-# session's path published, met and scheduled in three steps; since the thirteenth one call
-# queues all three).
+# attribute path under megatron_mok, "start" or "end") of each function whose start or return is
+# timed from the call's start. A path this version of the package lacks, or a function the call
+# does not reach, is left out of the table (and named under it), so the list may hold a step
+# under the names of several versions.
 LAUNCH_STEPS = [
     ("input checks start (check_inputs)", "functional.check_inputs", "start"),
     ("input checks (check_inputs)", "functional.check_inputs", "end"),
     ("group size and rank", "functional.group_size_rank", "end"),
     ("backend choice (select_backend)", "functional.select_backend", "end"),
-    ("run_backend starts", "functional.run_backend", "start"),
-    ("the backend's entry (megakernel_moe) starts", "functional.megakernel_backend.megakernel_moe", "start"),
+    ("the backend's run starts", "functional.megakernel_backend.MegakernelBackend.run", "start"),
     ("workspace lookup", "functional.megakernel_backend.get_workspace", "end"),
+    ("launch plan (_prepared_launch)", "functional.megakernel_backend._prepared_launch", "end"),
     ("weight arguments", "functional.cuda_backend.weight_arguments", "end"),
     ("the autograd function's forward starts", "functional.megakernel_backend._MegakernelMoE.forward", "start"),
     ("the forward starts (_run_forward)", "functional.megakernel_backend._run_forward", "start"),
     ("status check (raise_if_failed)", "functional.workspace.Workspace.raise_if_failed", "end"),
-    ("publish (4 copies)", "functional.workspace.Workspace.publish", "end"),
-    ("barrier kernel", "functional.workspace.Workspace.barrier", "end"),
-    ("schedule kernel", "functional.workspace.Workspace.build_schedule", "end"),
-    ("publish, barrier and schedule in one call", "functional.workspace.Workspace.dispatch", "end"),
+    ("prologue: publish, barrier and schedule (dispatch)", "functional.workspace.Workspace.dispatch", "end"),
     ("megakernel launch (its checks, args, tensor maps, reset kernel, launch)", "ops.megakernel.megakernel_forward.impl", "end"),
     ("launch_forward starts", "ops.megakernel.launch_forward", "start"),
     ("megakernel launch (args, tensor maps, reset kernel, launch)", "ops.megakernel.launch_forward", "end"),
-    ("status mirrored (mirror_status)", "functional.workspace.Workspace.mirror_status", "end"),
+    ("status word to the host (mirror_status)", "functional.workspace.Workspace.mirror_status", "end"),
 ]
 
 
@@ -108,9 +104,10 @@ def timed_steps(steps, clock: Callable[[], float]):
             setattr(owner, name, raw)
 
 
-def time_to_launch(call: Callable[[], object], iters: int, group) -> Dict[str, float]:
+def time_to_launch(call: Callable[[], object], iters: int, group) -> Tuple[Dict[str, float], List[str]]:
     """Median host milliseconds from the start of a synchronised ``call`` to each step of
-    :data:`LAUNCH_STEPS`, and the call's GPU time."""
+    :data:`LAUNCH_STEPS`, and the call's GPU time; and the labels of the steps not reached once
+    per call (not in this version, or not on this call's path)."""
     start = [0.0]
     gpu: List[float] = []
     recorded: List[float] = []
@@ -129,9 +126,10 @@ def time_to_launch(call: Callable[[], object], iters: int, group) -> Dict[str, f
             gpu.append(a.elapsed_time(b))
     out = {"start event recorded": 1e3 * statistics.median(recorded)}
     out.update({label: 1e3 * statistics.median(v) for label, v in marks.items() if len(v) == iters})
+    missed = [label for label, v in marks.items() if len(v) != iters]
     out["the call returns"] = 1e3 * statistics.median(returned)
     out["GPU time of the call"] = statistics.median(gpu)
-    return out
+    return out, missed
 
 
 def torch_trace(call: Callable[[], object], iters: int, group, out_dir: str, rank: int) -> None:
@@ -208,7 +206,7 @@ def main() -> None:
         with torch.set_grad_enabled(args.grad):
             for _ in range(3):
                 call()
-            steps = time_to_launch(call, args.iters, group)
+            steps, missed = time_to_launch(call, args.iters, group)
             check_errors()
             if args.torch_trace:
                 torch_trace(call, 5, group, args.torch_trace, rank)
@@ -220,6 +218,8 @@ def main() -> None:
             for label, ms in sorted(steps.items(), key=lambda kv: kv[1]):
                 print(f"  {ms:7.3f}  {label}")
             print(f"  {gpu_ms:7.3f}  GPU time of the call")
+            if missed:
+                print("  not timed (not reached once a call): " + "; ".join(missed))
         if group is not None:
             dist.barrier()
             dist.destroy_process_group()

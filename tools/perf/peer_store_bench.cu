@@ -7,7 +7,7 @@
 // 256 B and 1 row x 512 B per instruction, into scattered 512-byte row segments of the peer's
 // memory and of local memory, from every SM.
 //
-// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a scripts/peer_store_bench.cu -o peer_store_bench
+// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a tools/perf/peer_store_bench.cu -o peer_store_bench
 // Run on a machine with two GPUs that can reach each other: ./peer_store_bench
 #include <cuda_runtime.h>
 

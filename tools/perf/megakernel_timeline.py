@@ -1,36 +1,41 @@
 """Where the forward megakernel's time goes: runs one traced launch per setting and prints its
 timeline summary (docs/megakernel.md, "Timeline").
 
-    python scripts/megakernel_timeline.py --experts 6 --settings 16:4096:8192 8:2048:8192
-    torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 6 ...   (P = 2)
+    python tools/perf/megakernel_timeline.py --experts 6 --settings 16:4096:8192 8:2048:8192
+    torchrun --nproc-per-node 2 tools/perf/megakernel_timeline.py --experts 6 ...   (P = 2)
 
-    torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 6 \
-        --ab MOK_MEGAKERNEL_PAIRS=0,1 --blocks --rounds 30   (A/B timing of a switch)
-    torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 6 --ab-settings 12:: 8::
-    torchrun --nproc-per-node 2 scripts/megakernel_timeline.py --experts 192 --bound   (issue 7's bound)
+    torchrun --nproc-per-node 2 tools/perf/megakernel_timeline.py --experts 6 \\
+        --ab pairs=off,on --blocks --rounds 30                     (A/B timing of a tunable)
+    torchrun --nproc-per-node 2 tools/perf/megakernel_timeline.py --experts 6 --ab-settings 12:: 8::
+    torchrun --nproc-per-node 2 tools/perf/megakernel_timeline.py --experts 192 --bound
 
-Each setting is comm_ctas:minibatch_rows:ring_rows (empty fields: the defaults). Per setting and
-rank it prints: the span of the launch and of its phases (first tile, last tile (its epilogue
-pushes the rows home), combine-done, slot sum), per item kind the count, mean wait for the input
-and mean run time (and the rate it means), the compute CTAs' busy share and their stalls by the kind of tile
-they waited for, the tile boundaries (when the next tile was taken, had its input and started,
-after the previous one ended; per CTA of a pair), and the first and last minibatches'
-milestones. With --out DIR it also saves
-a per-CTA timeline chart of rank 0 (DIR/<name>.png) and, with --npz, every rank's raw records.
-With --bound it instead times issue 7's first bound: blocks of megakernel calls and of
+Each setting is comm:minibatch:ring[:pairs[:group_blocks]], the candidate syntax of
+``python -m megatron_mok.bench tune`` (empty fields: the defaults). Per setting and rank it
+prints: the span of the launch and of its phases (first tile, last tile (its epilogue pushes the
+rows home), combine-done, slot sum), per item kind the count, mean wait for the input and mean
+run time (and the rate it means), the compute CTAs' busy share and their stalls by the kind of
+tile they waited for, the tile boundaries (when the next tile was taken, had its input and
+started, after the previous one ended; per CTA of a pair), and with --milestones the first and
+last minibatches' milestones. With --out DIR it also saves a per-CTA timeline chart of rank 0
+(DIR/<name>.png) and, with --npz, every rank's raw records.
+
+With --bound it instead times the GEMM bound: blocks of megakernel calls and of
 torch._grouped_mm fc1 + fc2 alone on the rank's expert load (A B B A B A A B, after alternating
 untimed calls of both), each after untimed calls that bring the card to the power state it holds
-under that load, and prints both medians, the ratio and the medians per block; with --host-lead
-MS the GPU spins MS before each timed call, so the host path before the launches is not timed;
-with --back-to-back each block's calls are queued without synchronising (steady state); with
---clocks S each side then runs back to back for S seconds while nvidia-smi samples the GPUs'
-SM clock and power draw (their medians per GPU and side).
-With --ab NAME=A,B it instead times calls with the environment variable NAME set to A and to B
-alternately (the library reads its MOK_MEGAKERNEL_* switches at every launch), with
---ab-settings two settings alternately; each call synchronised and timed on the slowest rank; it
-prints the medians and the paired difference. With --blocks it times them in blocks A B B A B A A
-B instead, each after untimed calls: under the power cap, alternating call by call hides a
-difference in energy per call (docs/perf-notes.md, eleventh session).
+under that load, and prints both medians, the ratio (target: 1.15x) and the medians per block;
+with --host-lead MS the GPU spins MS before each timed call, so the host path before the launches
+is not timed; with --back-to-back each block's calls are queued without synchronising (steady
+state); with --clocks S each side then runs back to back for S seconds while nvidia-smi samples
+the GPUs' SM clock and power draw (their medians per GPU and side).
+
+With --ab FIELD=A,B it instead times the setting with one tunable set to A and to B (FIELD: comm,
+minibatch, ring, pairs or group_blocks, as in the setting; e.g. group_blocks=8,16, pairs=on,off,
+comm=6,8; the same value twice is an A/A run, the method's noise), with --ab-settings two
+settings; each call synchronised and timed on the slowest rank, alternating call by call; it
+prints the medians and the paired difference. With --blocks it times them in blocks
+A B B A B A A B instead, each after untimed calls: under the power cap, alternating call by call
+hides a difference in energy per call (tools/perf/ab_stats.py); correct several such runs for the
+blocks' positions with tools/perf/ab_positions.py.
 Needs the CUDA library (an sm_90 GPU).
 """
 
@@ -43,31 +48,36 @@ import subprocess
 import time
 from typing import Dict, List, Optional, Tuple
 
-os.environ["MOK_MEGAKERNEL_TRACE"] = "1"
+import numpy as np
+import torch
+import torch.distributed as dist
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from ab_stats import BLOCK_ORDER, b_minus_a, block_rounds, blocks_by_position, interleaved_rounds
+from megatron_mok import MoKConfig
+from megatron_mok.bench.routing import ROUTINGS, RoutingSpec, make_routing
+from megatron_mok.bench.tune import Candidate
+from megatron_mok.functional import check_errors, mok_moe
 
-from megatron_mok import MoKConfig  # noqa: E402
-from megatron_mok.bench.routing import ROUTINGS, RoutingSpec, make_routing  # noqa: E402
-from megatron_mok.bench.timing import (BLOCK_ORDER, b_minus_a, block_rounds, blocks_by_position,  # noqa: E402
-                                       interleaved_rounds)
-from megatron_mok.bench.tune import Candidate  # noqa: E402
-from megatron_mok.functional import check_errors, megakernel_backend, mok_moe  # noqa: E402
-from megatron_mok.ops import megakernel as mk_ops  # noqa: E402
+KINDS = {1: "fc1", 2: "fc2", 3: "pull", 6: "part"}
+"""Item kinds of the trace (csrc/include/mok/megakernel/trace.cuh); part: a first block's pull
+in parts (first_pull_parts of them). A CTA's own record has the kind
+``constants().trace_cta_kind``."""
+AB_FIELDS = {"comm": "comm_sms", "comm_sms_forward": "comm_sms", "minibatch": "minibatch_rows",
+             "minibatch_rows": "minibatch_rows", "ring": "ring_rows", "ring_rows": "ring_rows",
+             "pairs": "pairs", "group_blocks": "group_blocks", "group": "group_blocks"}
+"""Names --ab takes -> the field of :class:`megatron_mok.bench.tune.Candidate`."""
+SETTING_POSITION = {"comm_sms": 0, "minibatch_rows": 1, "ring_rows": 2, "pairs": 3, "group_blocks": 4}
 
-KINDS = {1: "fc1", 2: "fc2", 3: "pull", 6: "part"}  # part: 16 rows of a first block's pull
 
-
-def decode(records: np.ndarray):
-    """Split the records into items (kind, block, col, cta, take, ready, start, done in ms from
-    the launch's first CTA start) and CTA records."""
+def decode(records: np.ndarray, cta_kind: int):
+    """Split the records (int64 [N, 6], columns ``constants().trace_fields``) into items (kind,
+    block, col, cta, take, ready, start, done in ms from the launch's first CTA start) of the
+    kinds in :data:`KINDS`, and CTA records (kind ``cta_kind``)."""
     meta = records[:, 4]
     kind = meta & 0xFF
     written = records[:, 0] > 0
-    cta_rows = written & (kind == 5)
-    item_rows = written & (kind >= 1) & (kind <= 4)
+    cta_rows = written & (kind == cta_kind)
+    item_rows = written & np.isin(kind, list(KINDS))
     t0 = records[cta_rows, 0].min()
     ms = (records[:, :4] - t0) / 1e6
     items = dict(kind=kind[item_rows], block=(meta[item_rows] >> 8) & 0xFFFFFFFF, col=meta[item_rows] >> 40,
@@ -78,34 +88,36 @@ def decode(records: np.ndarray):
     return items, ctas
 
 
-def block_real_rows(counts: np.ndarray, n_blocks: int) -> np.ndarray:
-    """Real (non-padding) rows of each 128-row block of the expert-grouped layout, from the
-    rank's rows per local expert (int [L])."""
-    padded = (counts + 127) // 128 * 128
-    starts = np.concatenate([[0], np.cumsum(padded)[:-1]])
+def _blocks_of(counts: np.ndarray, block_rows: int) -> np.ndarray:
+    return (np.asarray(counts) + block_rows - 1) // block_rows
+
+
+def block_real_rows(counts: np.ndarray, n_blocks: int, block_rows: int) -> np.ndarray:
+    """Real (non-padding) rows of each row block of the expert-grouped layout, from the rank's
+    rows per local expert (int [L]); every expert's segment is padded to ``block_rows``."""
+    starts = np.concatenate([[0], np.cumsum(_blocks_of(counts, block_rows) * block_rows)[:-1]])
     real = np.zeros(n_blocks, dtype=np.int64)
     for start, cnt in zip(starts, counts):
-        for b in range(start // 128, (start + int(cnt) + 127) // 128):
+        for b in range(int(start) // block_rows, (int(start) + int(cnt) + block_rows - 1) // block_rows):
             if b < n_blocks:
-                real[b] = min(128, start + int(cnt) - 128 * b)
+                real[b] = min(block_rows, int(start) + int(cnt) - block_rows * b)
     return real
 
 
-def block_remote_rows(counts_by_source: np.ndarray, rank: int, n_blocks: int) -> np.ndarray:
-    """Real rows of each 128-row block whose home is another rank, from the rows each source
-    rank routes to each local expert (int [P, L]): within an expert the layout holds the rows in
+def block_remote_rows(counts_by_source: np.ndarray, rank: int, n_blocks: int, block_rows: int) -> np.ndarray:
+    """Real rows of each row block whose home is another rank, from the rows each source rank
+    routes to each local expert (int [P, L]): within an expert the layout holds the rows in
     (source rank, token, slot) order (csrc/src/schedule.cu)."""
     counts = counts_by_source.sum(axis=0)
-    padded = (counts + 127) // 128 * 128
-    starts = np.concatenate([[0], np.cumsum(padded)[:-1]])
+    starts = np.concatenate([[0], np.cumsum(_blocks_of(counts, block_rows) * block_rows)[:-1]])
     remote = np.zeros(n_blocks, dtype=np.int64)
     for l, start in enumerate(starts):
         row = int(start)
         for s, cnt in enumerate(counts_by_source[:, l]):
             if s != rank:  # rows [row, row + cnt) of the layout go to rank s
-                for b in range(row // 128, (row + int(cnt) + 127) // 128):
+                for b in range(row // block_rows, (row + int(cnt) + block_rows - 1) // block_rows):
                     if b < n_blocks:
-                        remote[b] += min(row + int(cnt), 128 * (b + 1)) - max(row, 128 * b)
+                        remote[b] += min(row + int(cnt), block_rows * (b + 1)) - max(row, block_rows * b)
             row += int(cnt)
     return remote
 
@@ -116,7 +128,7 @@ def tile_boundaries(items, pairs: bool) -> List[str]:
     MMAs began, in us from the end of the previous tile (its counter release); in pair mode per
     CTA of the cluster (the leader is the even CTA). A start later than +0.3 us means the
     producer's chain (take, input wait, first loads) was not hidden by the previous tile's
-    epilogue (docs/perf-notes.md, tenth session)."""
+    epilogue."""
     kinds = items["kind"]
     comp = np.isin(kinds, (1, 2))
     groups = {}
@@ -139,10 +151,10 @@ def tile_boundaries(items, pairs: bool) -> List[str]:
     return out
 
 
-def block_experts(counts: np.ndarray) -> np.ndarray:
+def block_experts(counts: np.ndarray, block_rows: int) -> np.ndarray:
     """The local expert of each block in queue order (int [n_blocks]): queue positions keep the
     experts' segments, from the rank's rows per local expert (int [L])."""
-    return np.repeat(np.arange(len(counts)), (np.asarray(counts) + 127) // 128)
+    return np.repeat(np.arange(len(counts)), _blocks_of(counts, block_rows))
 
 
 def pair_shares_weights(experts: np.ndarray, mb_blocks: int) -> np.ndarray:
@@ -157,12 +169,15 @@ def pair_shares_weights(experts: np.ndarray, mb_blocks: int) -> np.ndarray:
     return shared
 
 
-def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_rows=None,
+def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, consts, real_rows=None,
               pairs: bool = False, remote_rows=None, experts=None) -> List[str]:
-    """The timeline summary as lines of text (real_rows: per block, splits the tile times into
-    blocks with more than 64 real rows and blocks with at most 64; remote_rows: per block, the
-    real rows whose home is another rank, splits them by that share; experts: per block, the
-    local expert, splits pair tiles into those sharing the weight tile and those that do not)."""
+    """The timeline summary as lines of text. consts: the kernel's tile sizes
+    (``megatron_mok.ops.megakernel.constants()``: block_rows, fc1_cols, fc2_cols,
+    first_pull_parts). real_rows: per block, splits the tile times into blocks more than half
+    full and the others; remote_rows: per block, the real rows whose home is another rank,
+    splits them by that share; experts: per block, the local expert, splits pair tiles into
+    those sharing the weight tile and those that do not."""
+    block_rows = consts.block_rows
     out = [f"-- {label}"]
     span = ctas["end"].max()
     kinds = items["kind"]
@@ -171,8 +186,9 @@ def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_row
                f"combine-done seen {ctas['combine'].min():.3f}"
                f"-{ctas['combine'].max():.3f} | slot sum ends {ctas['end'].max():.3f} | CTA starts "
                f"{ctas['start'].min():.3f}-{ctas['start'].max():.3f}")
-    flop = {1: 2 * 128 * 256 * H, 2: 2 * 128 * 256 * I}
-    byts = {3: 2 * 128 * H * 2, 6: 2 * 16 * H * 2}  # read + write of the item's rows
+    # fc1 tiles: fc1_cols h columns = 2 x fc1_cols gate and up columns; bf16 rows read + written.
+    flop = {1: 2 * block_rows * 2 * consts.fc1_cols * H, 2: 2 * block_rows * consts.fc2_cols * I}
+    byts = {3: 2 * block_rows * H * 2, 6: 2 * (block_rows // consts.first_pull_parts) * H * 2}
     for k, name in KINDS.items():
         sel = kinds == k
         if not sel.any():
@@ -186,13 +202,13 @@ def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_row
                    f"{np.percentile(run, 90) * 1e3:8.1f}) -> {rate} | wait mean {wait.mean() * 1e3:8.1f} us, "
                    f"max {wait.max() * 1e3:8.1f} us")
         if real_rows is not None and k in flop:
-            small = real_rows[items["block"][sel]] <= 64
-            for what, part in (("> 64 real rows", ~small), ("<= 64 real rows", small)):
+            small = real_rows[items["block"][sel]] <= block_rows // 2
+            for what, part in ((f"> {block_rows // 2} real rows", ~small), (f"<= {block_rows // 2} real rows", small)):
                 if part.any():
                     out.append(f"      blocks with {what}: n={int(part.sum())} run median "
                                f"{np.median(run[part]) * 1e3:.1f} us, CTA-time {run[part].sum():.1f} ms")
         if pairs and experts is not None and k in flop:
-            shared = pair_shares_weights(experts, mb_rows // 128)[items["block"][sel]]
+            shared = pair_shares_weights(experts, mb_rows // block_rows)[items["block"][sel]]
             for what, part in (("one expert (weights shared)", shared), ("two experts (weights not shared)", ~shared)):
                 if part.any():
                     out.append(f"      pair tiles of {what}: n={int(part.sum())} run median "
@@ -240,7 +256,7 @@ def summarize(items, ctas, *, H: int, I: int, mb_rows: int, label: str, real_row
     tail = ctas["end"].max() - items["done"][comp].max()
     out.append(f"after the last tile: {tail:.3f} ms (combine-done, slot sum)")
     # Minibatch milestones.
-    mb_blocks = mb_rows // 128
+    mb_blocks = mb_rows // block_rows
     mb = items["block"] // mb_blocks
     n_mb = int(mb.max()) + 1
     rows = []
@@ -286,7 +302,7 @@ def chart(items, ctas, path: str, title: str) -> None:
 
 def gemms_alone_call(rows: int, counts: np.ndarray, fc1: torch.Tensor, fc2: torch.Tensor):
     """A call of torch._grouped_mm for fc1 and then fc2 alone on `rows` expert-grouped rows
-    (counts per local expert), no SwiGLU: the first term of issue 7's bound."""
+    (counts per local expert), no SwiGLU: the GEMM bound's reference side."""
     H, I = fc1.shape[2], fc2.shape[2]
     x = torch.randn(rows, H, device="cuda").bfloat16()
     h = torch.randn(rows, I, device="cuda").bfloat16()
@@ -324,7 +340,7 @@ def gemms_alone(rows: int, counts: np.ndarray, fc1: torch.Tensor, fc2: torch.Ten
 def bound_timing(mk_call, gemms_call, rounds: int, warmup: int, distributed: bool, rank: int, label: str,
                  device: Optional[torch.device] = None, host_lead_ms: float = 0.0,
                  back_to_back: bool = False) -> Tuple[float, float]:
-    """Issue 7's first bound, each side in the power state it holds under its own load: the
+    """The GEMM bound, each side in the power state it holds under its own load: the
     megakernel call and torch._grouped_mm fc1 + fc2 alone on each rank's expert load in blocks
     (`block_rounds`, its default order, after 2 x `warmup` alternating untimed calls: each block
     `warmup` untimed calls, then `rounds` timed ones, each synchronised and timed on the slowest
@@ -434,7 +450,7 @@ def ab_timing(variants, rounds: int, distributed: bool, rank: int, label: str, b
                   f"in blocks {BLOCK_ORDER} after {2 * blocks_warmup} alternating untimed calls, each block after "
                   f"{blocks_warmup} untimed ones, slowest rank); {nb} - {na}: {b - a:+.3f} ms, on block medians "
                   f"without the first block {b_minus_a(blocks, skip_first=True):+.3f} ms (correct it for the "
-                  f"blocks' positions over several runs: scripts/ab_positions.py); "
+                  f"blocks' positions over several runs: tools/perf/ab_positions.py); "
                   f"{block_medians(times, rounds)}", flush=True)
         return
     times = interleaved_rounds(variants, rounds, group, device)
@@ -444,6 +460,30 @@ def ab_timing(variants, rounds: int, distributed: bool, rank: int, label: str, b
         print(f"{label}: {na} {statistics.median(times[na]):.3f} ms, {nb} {statistics.median(times[nb]):.3f} ms "
               f"(median of {rounds}, slowest rank); paired {nb} - {na}: median {np.median(diff):+.3f} ms, "
               f"{na} faster in {int((diff > 0).sum())} of {rounds} rounds", flush=True)
+
+
+def ab_variants(setting: str, ab: str) -> List[Tuple[str, Candidate]]:
+    """``--ab FIELD=A,B`` on ``setting`` -> [(label, candidate)] for A and B: the setting with
+    FIELD (a key of :data:`AB_FIELDS`) set to each value, parsed by :meth:`Candidate.parse`
+    (so the tune command's rules and messages apply). The same value twice (an A/A run) still
+    gets two labels. Raises ValueError naming the bad part."""
+    name, eq, values = ab.partition("=")
+    parts = values.split(",")
+    if not eq or len(parts) != 2:
+        raise ValueError(f"--ab {ab!r} must be FIELD=A,B with FIELD one of {', '.join(AB_FIELDS)}")
+    if name not in AB_FIELDS:
+        raise ValueError(f"--ab {ab!r}: unknown field {name!r}; one of {', '.join(AB_FIELDS)}")
+    position = SETTING_POSITION[AB_FIELDS[name]]
+    base = setting.split(":")
+    base += [""] * (5 - len(base))
+    out = []
+    for value in parts:
+        fields = list(base)
+        fields[position] = value
+        out.append((f"{name}={value}", Candidate.parse(":".join(fields))))
+    if out[0][0] == out[1][0]:
+        out = [(f"{label} ({letter})", cand) for (label, cand), letter in zip(out, "AB")]
+    return out
 
 
 def main() -> None:
@@ -457,19 +497,22 @@ def main() -> None:
                     help="uniform (default), or a skewed routing of the layer benchmark")
     ap.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent of --routing zipf")
     ap.add_argument("--hot-fraction", type=float, default=1.0, help="share of tokens picking expert 0 (--routing hot)")
-    ap.add_argument("--settings", nargs="+", default=["::"], help="comm:minibatch:ring (empty: default)")
+    ap.add_argument("--settings", nargs="+", default=["::"],
+                    help="comm:minibatch:ring[:pairs[:group_blocks]] (empty fields: the default)")
     ap.add_argument("--iters", type=int, default=5, help="timed untraced calls per setting (median shown)")
     ap.add_argument("--out", default=None, help="write the rank-0 chart (and with --npz every rank's records) here")
     ap.add_argument("--npz", action="store_true", help="also save the raw records")
     ap.add_argument("--milestones", action="store_true", help="print the minibatch milestones")
     ap.add_argument("--gemms-alone", action="store_true",
-                    help="also time torch._grouped_mm fc1 + fc2 alone on the rank's expert load (the bound of issue 7)")
-    ap.add_argument("--ab", default=None, metavar="NAME=A,B",
-                    help="paired timing of an environment switch instead of the timeline")
+                    help="also time torch._grouped_mm fc1 + fc2 alone on the rank's expert load (the GEMM bound's "
+                         "reference side)")
+    ap.add_argument("--ab", default=None, metavar="FIELD=A,B",
+                    help=f"timing of the setting with one tunable set to A and to B instead of the timeline "
+                         f"(FIELD: {', '.join(AB_FIELDS)}; e.g. group_blocks=8,16 or pairs=on,off)")
     ap.add_argument("--ab-settings", nargs=2, default=None, metavar="SETTING",
-                    help="paired timing of two comm:minibatch:ring settings instead of the timeline")
+                    help="timing of two settings instead of the timeline")
     ap.add_argument("--bound", action="store_true",
-                    help="instead of the timeline, time issue 7's bound: blocks of megakernel calls and of "
+                    help="instead of the timeline, time the GEMM bound: blocks of megakernel calls and of "
                          "torch._grouped_mm alone (A B B A B A A B), each after --block-warmup untimed calls")
     ap.add_argument("--blocks", action="store_true",
                     help="--ab / --ab-settings in blocks A B B A B A A B, each after --block-warmup untimed calls, "
@@ -496,7 +539,19 @@ def main() -> None:
         ap.error("--back-to-back and --host-lead time the bound only: add --bound")
     if args.back_to_back and args.host_lead:
         ap.error("--back-to-back and --host-lead both keep the host path out of the time: choose one")
+    if args.ab and args.ab_settings:
+        ap.error("--ab and --ab-settings: choose one")
+    try:  # every setting and A/B pair parses before any GPU work
+        settings = [(text, Candidate.parse(text)) for text in args.settings]
+        ab = [ab_variants(text, args.ab) for text in args.settings] if args.ab else None
+        ab_settings = [(text, Candidate.parse(text)) for text in args.ab_settings] if args.ab_settings else None
+    except ValueError as err:
+        ap.error(str(err))
 
+    from megatron_mok.functional.megakernel_backend import trace_launches
+    from megatron_mok.ops import megakernel as mk_ops
+
+    consts = mk_ops.constants()
     distributed = "RANK" in os.environ
     if distributed:
         dist.init_process_group("nccl")
@@ -509,8 +564,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
     # Contiguous ids, as a router's top-k gives them (a strided view would add a copy of them to
-    # every timed call, ~0.1 ms of host time; every bound at P = 2, and at P = 1 with 8 or more
-    # experts, before the fourteenth session included it).
+    # every timed call, ~0.1 ms of host time).
     ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K].contiguous() if E >= K else \
         torch.randint(0, E, (T, K), device="cuda", generator=g)
     w = torch.rand(T, K, device="cuda", generator=g)
@@ -523,14 +577,24 @@ def main() -> None:
         x.requires_grad_(True)
     group = dist.group.WORLD if distributed else None
     flop = 6 * T * K * H * I
-    if args.ab_settings:
-        def variant(text):
-            cfg = Candidate.parse(text).config(MoKConfig())
-            return (text, lambda: mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg, backend="megakernel"))
-        os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
+    base = MoKConfig(max_tokens_per_rank=T)
+
+    def megakernel_call(cand: Candidate):
+        cfg = cand.config(base)
+        return lambda: mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg, backend="megakernel")
+
+    if ab_settings:
         with torch.set_grad_enabled(args.training):
-            ab_timing([variant(t) for t in args.ab_settings], args.rounds, distributed, rank, f"L={L} settings",
-                      args.block_warmup if args.blocks else 0)
+            ab_timing([(text, megakernel_call(cand)) for text, cand in ab_settings], args.rounds, distributed,
+                      rank, f"L={L} settings", args.block_warmup if args.blocks else 0)
+        if distributed:
+            dist.destroy_process_group()
+        return
+    if ab:
+        with torch.set_grad_enabled(args.training):
+            for (text, _), variants in zip(settings, ab):
+                ab_timing([(label, megakernel_call(cand)) for label, cand in variants], args.rounds, distributed,
+                          rank, f"L={L} {text}", args.block_warmup if args.blocks else 0)
         if distributed:
             dist.destroy_process_group()
         return
@@ -547,17 +611,15 @@ def main() -> None:
         by_source.append(torch.bincount(mine, minlength=L).cpu().numpy())
     counts_by_source = np.stack(by_source)
     if args.bound:
-        cfg = Candidate.parse(args.settings[0]).config(MoKConfig())
-        os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
+        text, cand = settings[0]
+        call = megakernel_call(cand)
         with torch.set_grad_enabled(args.training):
-            bound_timing(lambda: mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg, backend="megakernel"),
-                         gemms_alone_call(int(counts.sum()), counts, fc1, fc2), args.rounds, args.block_warmup,
-                         distributed, rank, f"L={L} {args.settings[0]}{' training' if args.training else ''}"
+            bound_timing(call, gemms_alone_call(int(counts.sum()), counts, fc1, fc2), args.rounds, args.block_warmup,
+                         distributed, rank, f"L={L} {text}{' training' if args.training else ''}"
                          f"{'' if args.routing == 'uniform' else ' routing ' + args.routing}",
                          host_lead_ms=args.host_lead, back_to_back=args.back_to_back)
             if args.clocks > 0:
-                clock_probe([("megakernel", lambda: mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg,
-                                                            backend="megakernel")),
+                clock_probe([("megakernel", call),
                              ("torch._grouped_mm", gemms_alone_call(int(counts.sum()), counts, fc1, fc2))],
                             args.clocks, distributed, rank, f"L={L}")
         if distributed:
@@ -565,31 +627,10 @@ def main() -> None:
         return
     if args.gemms_alone:
         gemms_alone(int(counts.sum()), counts, fc1, fc2, rank, P, args.iters)
-    for text in args.settings:
-        cfg = Candidate.parse(text).config(MoKConfig())
-
-        def call():
-            return mok_moe(x, ids, w, fc1, fc2, ep_group=group, config=cfg, backend="megakernel")
-        if args.ab:
-            name, _, vals = args.ab.partition("=")
-
-            def with_env(value, label):
-                def run():
-                    os.environ[name] = value
-                    return call()
-                return (label, run)
-            values = vals.split(",")
-            # The same value twice (an A/A run, the noise of the method) still gets two names.
-            labels = [f"{name}={v}" for v in values]
-            if len(set(labels)) < len(labels):
-                labels = [f"{lab} ({ab})" for lab, ab in zip(labels, "AB")]
-            os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
-            with torch.set_grad_enabled(args.training):
-                ab_timing([with_env(v, lab) for v, lab in zip(values, labels)], args.rounds, distributed, rank,
-                          f"L={L} {text}", args.block_warmup if args.blocks else 0)
-            continue
+    block_rows = consts.block_rows
+    for text, cand in settings:
+        call = megakernel_call(cand)
         with torch.set_grad_enabled(args.training):
-            os.environ["MOK_MEGAKERNEL_TRACE"] = "0"
             for _ in range(2):
                 call()
             times = []
@@ -614,26 +655,27 @@ def main() -> None:
             host_ms = (time.perf_counter() - h0) * 1e3 / args.iters
             torch.cuda.synchronize()
             stream_ms = a.elapsed_time(b) / args.iters
-            os.environ["MOK_MEGAKERNEL_TRACE"] = "1"
-            call()
+            with trace_launches() as launches:
+                call()
             torch.cuda.synchronize()
             check_errors()
-        tr = megakernel_backend.last_trace()
+        tr = launches[-1]
         records = tr["records"].cpu().numpy()
-        items, ctas = decode(records)
+        items, ctas = decode(records, consts.trace_cta_kind)
         ms = statistics.median(times)
         grid, pairs = mk_ops.launch_shape(tr["comm_ctas"], tr["num_ctas"], tr["pairs"])
         label = (f"rank {rank}/{P} L={L} T={T} H={H} I={I} K={K} ctas={grid}{' in pairs' if pairs else ''} "
-                 f"comm={tr['comm_ctas']} mb={tr['minibatch_rows']} "
-                 f"ring={tr['ring_rows']}{' training' if args.training else ''}: {ms:.3f} ms untraced ({flop / ms / 1e9:.0f} TFLOP/s); back to back "
-                 f"{stream_ms:.3f} ms/call, host {host_ms:.3f} ms/call")
-        n_blocks = int(((counts + 127) // 128).sum())
+                 f"comm={tr['comm_ctas']} mb={tr['minibatch_rows']} ring={tr['ring_rows']} "
+                 f"group={tr['group_blocks']}{' training' if args.training else ''}: {ms:.3f} ms untraced "
+                 f"({flop / ms / 1e9:.0f} TFLOP/s); back to back {stream_ms:.3f} ms/call, host {host_ms:.3f} ms/call")
+        n_blocks = int(((counts + block_rows - 1) // block_rows).sum())
         # The trace names blocks by their queue order; the rows they hold are the layout's.
         order = np.array(mk_ops.layout_blocks(counts.tolist()), dtype=np.int64)
-        lines = summarize(items, ctas, H=H, I=I, mb_rows=tr["minibatch_rows"], label=label,
-                          real_rows=block_real_rows(counts, n_blocks)[order], pairs=pairs,
-                          remote_rows=block_remote_rows(counts_by_source, rank, n_blocks)[order] if P > 1 else None,
-                          experts=block_experts(counts))
+        lines = summarize(items, ctas, H=H, I=I, mb_rows=tr["minibatch_rows"], label=label, consts=consts,
+                          real_rows=block_real_rows(counts, n_blocks, block_rows)[order], pairs=pairs,
+                          remote_rows=(block_remote_rows(counts_by_source, rank, n_blocks, block_rows)[order]
+                                       if P > 1 else None),
+                          experts=block_experts(counts, block_rows))
         if not args.milestones:
             lines = [line for line in lines if not line.startswith("  mb ") and "minibatches of" not in line]
         if distributed:
@@ -645,7 +687,8 @@ def main() -> None:
             print("\n".join(lines), flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            name = f"mk-L{L}-c{tr['comm_ctas']}-mb{tr['minibatch_rows']}-r{tr['ring_rows']}-p{P}-r{rank}"
+            name = (f"mk-L{L}-c{tr['comm_ctas']}-mb{tr['minibatch_rows']}-r{tr['ring_rows']}-g{tr['group_blocks']}"
+                    f"-p{P}-r{rank}")
             if args.npz:
                 np.savez_compressed(os.path.join(args.out, name + ".npz"), records=records)
             if rank == 0:

@@ -4,12 +4,12 @@ backward, synchronised, median of the slowest rank, the variants alternating cal
 * ``separate``: routed experts through ``mok_moe``, the shared expert beside it with plain torch
   matmuls (what Megatron's ``SharedExpertMLP`` does without Transformer Engine);
 * ``segments``: the shared expert as one more local expert of every rank, its weights passed
-  as a second weight segment (read where they lie: what ``--mok-fuse-shared-expert`` does now);
-* ``copy``: the same with routed and shared weights concatenated first (the copy the fused
-  path made before weight segments existed).
+  as a second weight segment (read where they lie: what ``--mok-fuse-shared-expert`` does);
+* ``copy``: the same with routed and shared weights concatenated first (what weight segments
+  save).
 
-    torchrun --nproc-per-node 2 scripts/shared_expert_timing.py --experts 192
-    python scripts/shared_expert_timing.py --experts 6            (P = 1)
+    torchrun --nproc-per-node 2 tools/perf/shared_expert_timing.py --experts 192
+    python tools/perf/shared_expert_timing.py --experts 6            (P = 1)
 
 Needs the CUDA library (an sm_90 GPU).
 """
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_mok.bench.timing import interleaved_rounds
+from ab_stats import interleaved_rounds
 from megatron_mok.functional import check_errors, mok_moe
 
 
