@@ -7,6 +7,7 @@
 
 #include "mok/comm.h"
 #include "mok/cuda_check.cuh"
+#include "mok/memory_order.cuh"
 #include "mok/vec_copy.cuh"
 
 namespace {
@@ -80,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) sum_slots_kernel(
     const int32_t* __restrict__ status) {
   __shared__ int failed;
   if (threadIdx.x == 0)
-    failed = status != nullptr && *reinterpret_cast<const volatile int32_t*>(status) != 0;
+    failed = status != nullptr && mok::ld_volatile(status) != 0;
   __syncthreads();
   const int vecs = H / 8;
   const float nan = __int_as_float(0x7fc00000);
@@ -118,22 +119,6 @@ __global__ void __launch_bounds__(kThreads) sum_slots_kernel(
   }
 }
 
-__device__ inline uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ inline void store_release_sys(uint64_t* addr, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(v) : "memory");
-}
-
-__device__ inline uint64_t load_acquire_sys(const uint64_t* addr) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(addr) : "memory");
-  return v;
-}
-
 __global__ void barrier_kernel(const uint64_t* __restrict__ signal_bases, int rank, int P,
                                uint64_t* counter, int64_t timeout_ns, int site,
                                int32_t* status) {
@@ -142,19 +127,19 @@ __global__ void barrier_kernel(const uint64_t* __restrict__ signal_bases, int ra
   if (threadIdx.x == 0) {
     epoch = ++(*counter);
     skip = (status != nullptr) &&
-           ((*reinterpret_cast<volatile int32_t*>(&status[MOK_STATUS_FLAGS]) & MOK_STATUS_TIMEOUT) != 0);
+           ((mok::ld_volatile(&status[MOK_STATUS_FLAGS]) & MOK_STATUS_TIMEOUT) != 0);
   }
   __syncthreads();
   const int p = threadIdx.x;
   if (skip || p >= P || p == rank) return;
   // Every write this rank made before the barrier (earlier kernels in the stream, peer
   // stores included) happens-before this release; the fence makes that cumulative.
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
-  store_release_sys(reinterpret_cast<uint64_t*>(signal_bases[p]) + rank, epoch);
+  mok::fence_acq_rel_sys();
+  mok::st_release_sys_u64(reinterpret_cast<uint64_t*>(signal_bases[p]) + rank, epoch);
   const uint64_t* mine = reinterpret_cast<const uint64_t*>(signal_bases[rank]) + p;
-  const uint64_t start = global_timer_ns();
-  while (load_acquire_sys(mine) < epoch) {
-    if ((int64_t)(global_timer_ns() - start) > timeout_ns) {
+  const uint64_t start = mok::globaltimer_ns();
+  while (mok::ld_acquire_sys_u64(mine) < epoch) {
+    if ((int64_t)(mok::globaltimer_ns() - start) > timeout_ns) {
       if (status != nullptr) {
         int old = atomicOr(&status[MOK_STATUS_FLAGS], MOK_STATUS_TIMEOUT);
         if ((old & MOK_STATUS_TIMEOUT) == 0) {

@@ -15,7 +15,7 @@ constexpr int kMaxCopyBlocks = 1024;
 
 // x's rows as 16-byte vectors, then the ids and router weights of the T x K routes, and T: one
 // launch instead of a cudaMemcpyAsync and a kernel (a copy call costs the host ~3x a launch on
-// the GPU machines, docs/perf-notes.md, fourteenth session).
+// the GPU machines, docs/perf-notes.md).
 __global__ void publish_kernel(const uint4* __restrict__ x, uint4* __restrict__ x_out, int64_t x_vecs,
                                const int64_t* __restrict__ ids, const float* __restrict__ weights, int64_t routes,
                                int64_t* __restrict__ ids_out, float* __restrict__ weights_out, int32_t* ntok,

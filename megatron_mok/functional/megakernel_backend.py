@@ -2,7 +2,7 @@
 (after the schedule kernel), the backward with the ``cuda`` backend's kernels on activations the
 launch writes.
 
-Validated on H200s (P = 1, virtual ranks, P = 2: tests/test_megakernel.py). ``auto`` (the
+Validated on H200s (P = 1, virtual ranks, P = 2: tests/megakernel/test_gpu.py). ``auto`` (the
 default) and ``backend="megakernel"`` (``--mok-backend megakernel``) take it whenever the shape
 allows (:func:`unsupported_reason`).
 

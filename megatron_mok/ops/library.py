@@ -24,7 +24,7 @@ from typing import Optional
 
 from .. import _build
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 _lock = threading.Lock()
 _library: Optional["MokLibrary"] = None
 

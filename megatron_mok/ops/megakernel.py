@@ -1,20 +1,26 @@
-"""The forward megakernel (csrc/src/megakernel_fwd.cu) as the custom op ``mok::megakernel_forward``.
+"""The forward megakernel (csrc/include/mok/megakernel.h) as the custom op ``mok::megakernel_forward``.
 
 One call runs, on the current stream, a small kernel that resets the megakernel's counters and
 takes the call's epoch, then the persistent kernel: pull dispatch into the ring, fc1 + SwiGLU
 and fc2 tile by tile, fc2's epilogue pushing the output rows into their home ranks' slots, the
-combine-done exchange and
-the fixed-order slot sum (docs/megakernel.md). Every size that depends on the routing stays on
-the device; the host passes only capacities.
+combine-done exchange and the fixed-order slot sum (docs/megakernel.md). Every size that
+depends on the routing stays on the device; the host passes only capacities.
+
+The schedule knobs are arguments of every call (``comm_ctas``, ``num_ctas``, ``minibatch_rows``,
+``pairs``, ``group_blocks``: C ``MokMegakernelTunables``); the library reads no environment.
+Its defaults (:func:`default_tunables`) and fixed sizes and bounds (:func:`constants`) come from
+the library itself, not from copies here.
 
 :func:`check_forward_args` validates everything before any GPU work (:class:`MegakernelArgumentError`
-names the value and the rule); :func:`plan_item` exposes the kernel's work plan to the CPU
-tests.
+names the value and the rule); :func:`plan_item` and :func:`layout_blocks` expose the kernel's
+work plan to the CPU tests and tools.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -23,46 +29,16 @@ from ._ptr import stream_of
 from .custom_op import mok_op
 from .library import load_library
 
-BLOCK_ROWS = 128
-"""Rows of a row block: the schedule's tile_rows and the GEMM tile's height."""
-FC1_COLS = 128
-"""h columns of one fc1 tile (I must be a multiple)."""
-FC2_COLS = 256
-"""Output columns of one fc2 tile (H must be a multiple)."""
-MAX_EXPERTS = 1024
-"""Local experts per launch (per-CTA tables in shared memory)."""
-MAX_TOPK = 1024
-"""Top-k per launch (the slot sum's per-chunk slot mask in shared memory, kSumMaxK)."""
-
 ITEM_KINDS = {1: "fc1", 2: "fc2", 3: "pull", 6: "pull_part"}
-FIRST_PULL_PARTS = 8
-"""Parts (of 16 rows) of a first block's pull: the first two minibatches' blocks are pulled in
-parts by every CTA when the launch starts (mok/megakernel/plan.cuh)."""
-GROUP_BLOCKS = 8
-"""Row blocks of a group, the tiles of a minibatch's column sweep (plan.cuh, kGroupBlocks: the
-default, which ``MOK_MEGAKERNEL_GROUP_BLOCKS`` changes for comparison); a compute CTA pulls parts
-of the first group's blocks only, when the launch starts."""
+"""Work item kinds of the plan (mok/megakernel/plan.cuh, ItemKind) by their number."""
 COUNTERS = {0: "x_ready", 1: "h_ready", 2: "fc2_done"}
-EARLY_NEXT_WORD = 9
-"""Header word of the counters (plan.cuh, kEarlyNext): after a launch, the units (quarters of a
-token's output row) the early slot sum took, plus one per warp that found its queue empty."""
-SUM_PARTS = 4
-"""Units of the slot sum per token (slot_sum.cuh, kSumParts)."""
+"""Per-slot counters an item waits on (plan.cuh, SlotCounter) by their number."""
+QUEUES = {"compute": 0, "pull": 1, "first_pull": 2}
+"""The plan's work queues (plan.cuh, Queue) by name."""
 TRACE_FIELDS = ("take", "ready", "start", "done", "meta", "cta")
 """Columns of a trace record (mok/megakernel/trace.cuh): %globaltimer ns when the item was
 taken, its input acquired, its work started and its counter released; kind | block << 8 |
-col << 40 (kind 5: a CTA's own record, role << 8); the CTA."""
-MAX_CTAS = 1024
-"""Upper bound on the CTAs of one launch (for sizing a trace)."""
-
-
-def trace_records(table_rows: int, hidden: int, ffn_hidden: int) -> int:
-    """Trace records that hold every item of a launch whose schedule table has ``table_rows``
-    rows (the row capacity), plus one per CTA and one per first-pull part."""
-    blocks = table_rows // BLOCK_ROWS
-    # Compute records: one per tile, in pair mode one per CTA of a pair tile (at most twice
-    # the tiles, when every minibatch ends on an odd block).
-    return blocks * (2 * (ffn_hidden // FC1_COLS + hidden // FC2_COLS) + 1 + FIRST_PULL_PARTS) + MAX_CTAS
+col << 40 (kind ``constants().trace_cta_kind``: a CTA's own record, role << 8); the CTA."""
 
 _i, _i64, _v = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
@@ -71,8 +47,25 @@ class MegakernelArgumentError(ValueError):
     """An argument of the megakernel is outside what it takes; the message says which."""
 
 
+class MegakernelTunablesStruct(ctypes.Structure):
+    """Mirror of ``MokMegakernelTunables`` (csrc/include/mok/megakernel.h): int64 fields."""
+
+    _fields_ = [("comm_ctas", _i64), ("num_ctas", _i64), ("minibatch_rows", _i64), ("pairs", _i64),
+                ("group_blocks", _i64)]
+
+
+class MegakernelConstantsStruct(ctypes.Structure):
+    """Mirror of ``MokMegakernelConstants`` (csrc/include/mok/megakernel.h): int64 fields."""
+
+    _fields_ = [(name, _i64) for name in (
+        "block_rows", "fc1_cols", "fc2_cols", "max_experts", "max_topk", "max_ranks", "first_pull_parts",
+        "first_pull_minibatches", "tile_arrivals", "min_group_blocks", "max_group_blocks", "trace_fields",
+        "trace_cta_kind", "max_ctas")]
+
+
 class MegakernelArgs(ctypes.Structure):
-    """Mirror of ``MokMegakernelArgs`` (csrc/include/mok/megakernel.h): every field 8 bytes."""
+    """Mirror of ``MokMegakernelArgs`` (csrc/include/mok/megakernel.h): every field 8 bytes, the
+    tunables nested last."""
 
     _fields_ = [
         ("bases", _v), ("signal_bases", _v),
@@ -83,10 +76,11 @@ class MegakernelArgs(ctypes.Structure):
         ("y", _v), ("epoch_counter", _v), ("status", _v),
         ("timeout_ns", _i64),
         ("P", _i64), ("rank", _i64), ("L", _i64), ("H", _i64), ("I", _i64), ("K", _i64), ("T", _i64),
-        ("ring_rows", _i64), ("minibatch_rows", _i64), ("comm_ctas", _i64), ("num_ctas", _i64),
+        ("ring_rows", _i64),
         ("trace", _v), ("trace_capacity", _i64),
         ("save_x", _v), ("save_w", _v), ("save_gu", _v),
-        ("fc1_weight2", _v), ("fc2_weight2", _v), ("L1", _i64), ("pairs", _i64),
+        ("fc1_weight2", _v), ("fc2_weight2", _v), ("L1", _i64),
+        ("tunables", MegakernelTunablesStruct),
     ]
 
 
@@ -94,46 +88,103 @@ def _lib():
     lib = load_library()
     return lib, {
         "args_bytes": lib.function("mok_megakernel_args_bytes", _i64, []),
+        "tunables_bytes": lib.function("mok_megakernel_tunables_bytes", _i64, []),
+        "constants_bytes": lib.function("mok_megakernel_constants_bytes", _i64, []),
+        "default_tunables": lib.function("mok_megakernel_default_tunables", _i,
+                                         [ctypes.POINTER(MegakernelTunablesStruct)]),
+        "constants": lib.function("mok_megakernel_constants", _i, [ctypes.POINTER(MegakernelConstantsStruct)]),
         "counter_words": lib.function("mok_megakernel_counter_words", _i64, [_i]),
         "plan_item": lib.function("mok_megakernel_plan_item", _i, [_i, _i, _i, _i, _i, _i, _i, _i, _i, _v]),
-        "layout_blocks": lib.function("mok_megakernel_layout_blocks", _i, [_v, _i, _i, _v, _i64]),
-        "early_plan": lib.function("mok_megakernel_early_plan", _i, [_i, _i, _i, _i, _i, _i, _v]),
+        "layout_blocks": lib.function("mok_megakernel_layout_blocks", _i, [_v, _i, _v, _i64]),
         "launch_shape": lib.function("mok_megakernel_launch_shape", _i, [_i64, _i64, _i64, _v]),
         "forward": lib.function("mok_megakernel_forward", _i, [ctypes.POINTER(MegakernelArgs), _v]),
     }
 
 
+def _check_struct(fns, name: str, struct) -> None:
+    size = int(fns[f"{name}_bytes"]())
+    if size != ctypes.sizeof(struct):
+        raise RuntimeError(f"the library's Mok{struct.__name__.replace('Struct', '')} is {size} bytes, "
+                           f"this module's mirror {ctypes.sizeof(struct)}: rebuild the library")
+
+
+@dataclasses.dataclass(frozen=True)
+class MegakernelConstants:
+    """The kernel's fixed sizes and bounds (C ``MokMegakernelConstants``), all ints."""
+
+    block_rows: int              # rows of a row block: the schedule's tile_rows and the GEMM tile's height
+    fc1_cols: int                # h columns of an fc1 tile: I must be a multiple
+    fc2_cols: int                # output columns of an fc2 tile: H must be a multiple
+    max_experts: int             # bound on the local experts L of a launch
+    max_topk: int                # bound on top-k
+    max_ranks: int               # bound on the EP size P
+    first_pull_parts: int        # parts of a first block's pull (block_rows / parts rows each)
+    first_pull_minibatches: int  # minibatches whose blocks every CTA pulls in parts when it starts
+    tile_arrivals: int           # counter arrivals per GEMM tile (one per consumer warpgroup)
+    min_group_blocks: int        # bounds of group_blocks (which must also be even)
+    max_group_blocks: int
+    trace_fields: int            # int64 words of a trace record (len(TRACE_FIELDS))
+    trace_cta_kind: int          # the kind in a CTA's own trace record
+    max_ctas: int                # bound on the CTAs of a launch (one trace record each)
+
+
+@functools.lru_cache(maxsize=None)
+def constants() -> MegakernelConstants:
+    """The library's :class:`MegakernelConstants` (read once; loads the library, no GPU)."""
+    lib, fns = _lib()
+    for name, struct in (("args", MegakernelArgs), ("tunables", MegakernelTunablesStruct),
+                         ("constants", MegakernelConstantsStruct)):
+        _check_struct(fns, name, struct)
+    out = MegakernelConstantsStruct()
+    lib.check(fns["constants"](ctypes.byref(out)), "mok_megakernel_constants")
+    c = MegakernelConstants(**{name: int(getattr(out, name)) for name, _ in MegakernelConstantsStruct._fields_})
+    if c.trace_fields != len(TRACE_FIELDS):
+        raise RuntimeError(f"the library's trace records have {c.trace_fields} fields, TRACE_FIELDS names "
+                           f"{len(TRACE_FIELDS)}: rebuild the library")
+    return c
+
+
+@functools.lru_cache(maxsize=None)
+def _default_tunables() -> Tuple[bool, int]:
+    lib, fns = _lib()
+    out = MegakernelTunablesStruct()
+    lib.check(fns["default_tunables"](ctypes.byref(out)), "mok_megakernel_default_tunables")
+    return bool(out.pairs), int(out.group_blocks)
+
+
+def default_tunables() -> dict:
+    """The library's defaults of the tunables a caller may leave unset: ``{"pairs": bool,
+    "group_blocks": int}`` (``mok_megakernel_default_tunables``; comm_ctas, num_ctas and
+    minibatch_rows have no library default: the caller chooses them from the shape)."""
+    pairs, group_blocks = _default_tunables()
+    return {"pairs": pairs, "group_blocks": group_blocks}
+
+
+def trace_records(table_rows: int, hidden: int, ffn_hidden: int) -> int:
+    """Trace records that hold every item of a launch whose schedule table has ``table_rows``
+    rows (the row capacity), plus one per CTA and one per first-pull part."""
+    c = constants()
+    blocks = table_rows // c.block_rows
+    # Compute records: one per tile, in pair mode one per CTA of a pair tile (at most twice
+    # the tiles, when every minibatch ends on an odd block).
+    return blocks * (2 * (ffn_hidden // c.fc1_cols + hidden // c.fc2_cols) + 1 + c.first_pull_parts) + c.max_ctas
+
+
 def counter_words(ring_rows: int) -> int:
     """int32 words of the counter buffer for a ring of ``ring_rows`` rows."""
     _, fns = _lib()
-    return int(fns["counter_words"](ring_rows // BLOCK_ROWS))
-
-
-QUEUES = {"compute": 0, "pull": 1, "first_pull": 2}
-LATE_MINIBATCHES = 2
-"""The last minibatches the early slot sum waits out (plan.cuh, kLateMinibatches)."""
-
-
-def early_plan(n_blocks: int, mb_blocks: int, n1: int, n2: int, pairs: bool = False,
-               late_minibatches: int = LATE_MINIBATCHES) -> Tuple[int, int, int]:
-    """The early slot sum's part of the work plan: (the first late block, the first compute-queue
-    position after every fc2 tile of an early block, the fc2 tile halves of the early blocks)."""
-    lib, fns = _lib()
-    out = (ctypes.c_int32 * 3)()
-    code = fns["early_plan"](n_blocks, mb_blocks, n1, n2, 1 if pairs else 0, late_minibatches, out)
-    if code != 0:
-        raise MegakernelArgumentError(f"early_plan({n_blocks}, {mb_blocks}, {n1}, {n2}, {pairs}, {late_minibatches}): "
-                                      f"{lib._dll.mok_error_string(code).decode()}")
-    return out[0], out[1], out[2]
+    return int(fns["counter_words"](ring_rows // constants().block_rows))
 
 
 def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int, n1: int, n2: int,
-              pairs: bool = False, group_blocks: int = GROUP_BLOCKS) -> Tuple[str, int, int, str, int, int]:
-    """Item ``index`` of the ``queue`` ("compute", "pull" or "first_pull") of the
-    kernel's work plan; ``pairs``: the plan of a launch in clusters of two, whose compute
-    items are pair tiles (the row block returned is the pair's first; the second is the next
-    block when it lies in the same minibatch, see :func:`pair_partner`); ``group_blocks``: row
-    blocks of a group (``MOK_MEGAKERNEL_GROUP_BLOCKS``; even, 2 to 64).
+              pairs: bool = False, group_blocks: int = 8) -> Tuple[str, int, int, str, int, int]:
+    """Item ``index`` of the ``queue`` ("compute", "pull" or "first_pull") of the kernel's work
+    plan for ``n_blocks`` row blocks, ``mb_blocks`` blocks per minibatch, ``slots`` ring slots,
+    ``n1`` fc1 and ``n2`` fc2 column blocks. ``pairs``: the plan of a launch in clusters of two,
+    whose compute items are pair tiles (the row block returned is the pair's first; the second
+    is the next block when it lies in the same minibatch, see :func:`pair_partner`);
+    ``group_blocks``: row blocks of a group (even, ``constants().min_group_blocks`` to
+    ``max_group_blocks``).
 
     Returns (kind, row block, column block (the part, for "pull_part"), counter waited on, its
     slot, target value; a target <= 0 means no wait). Raises :class:`MegakernelArgumentError`
@@ -152,25 +203,18 @@ def plan_item(queue: str, index: int, n_blocks: int, mb_blocks: int, slots: int,
     return ITEM_KINDS[kind], block, col, COUNTERS[counter], slot, target
 
 
-BLOCK_ORDERS = {"layout": 0, "zigzag": 1}
-"""The kernel's block orders (mok/megakernel/plan.cuh, BlockOrder)."""
-
-
-def layout_blocks(counts: Sequence[int], order: Optional[str] = None) -> List[int]:
-    """The layout row block each block of the kernel's queues stands for, for a rank whose
-    local experts received ``counts`` rows (int per expert): a list of
-    ``sum(ceil(c / 128))`` ints, a permutation within each expert's blocks. ``order``: one of
-    :data:`BLOCK_ORDERS`, or None for the order the launches take now
-    (``MOK_MEGAKERNEL_BLOCK_ORDER``; the default is "zigzag")."""
-    if order is not None and order not in BLOCK_ORDERS:
-        raise ValueError(f"block order {order!r}: expected one of {sorted(BLOCK_ORDERS)} or None")
+def layout_blocks(counts: Sequence[int]) -> List[int]:
+    """The layout row block each block of the kernel's queues stands for, for a rank whose local
+    experts received ``counts`` rows (int per expert): a list of ``sum(ceil(c / block_rows))``
+    ints, each expert's blocks from the front and the back in turn (plan.cuh, block order)."""
     lib, fns = _lib()
-    n_blocks = sum((int(c) + BLOCK_ROWS - 1) // BLOCK_ROWS for c in counts)
+    block_rows = constants().block_rows
+    n_blocks = sum((int(c) + block_rows - 1) // block_rows for c in counts)
     cnt = (ctypes.c_int32 * max(len(counts), 1))(*[int(c) for c in counts])
     out = (ctypes.c_int32 * max(n_blocks, 1))()
-    code = fns["layout_blocks"](cnt, len(counts), -1 if order is None else BLOCK_ORDERS[order], out, n_blocks)
+    code = fns["layout_blocks"](cnt, len(counts), out, n_blocks)
     if code != 0:
-        raise MegakernelArgumentError(f"layout_blocks for {len(counts)} experts, order={order!r}: "
+        raise MegakernelArgumentError(f"layout_blocks for {len(counts)} experts: "
                                       f"{lib._dll.mok_error_string(code).decode()}")
     return list(out)[:n_blocks]
 
@@ -184,10 +228,10 @@ def pair_partner(block: int, n_blocks: int, mb_blocks: int) -> Optional[int]:
 
 def launch_shape(comm_ctas: int, num_ctas: int = 0, pairs: bool = True) -> Tuple[int, bool]:
     """(CTAs, pair mode) of the launch the forward makes on the current CUDA device for
-    ``comm_ctas`` comm CTAs, ``num_ctas`` CTAs (0: one per SM) and ``pairs`` asked for, with the
-    environment as it is now (``MOK_MEGAKERNEL_PAIRS=0`` / ``1`` overrides ``pairs``). Pair mode
+    ``comm_ctas`` comm CTAs, ``num_ctas`` CTAs (0: one per SM) and ``pairs`` asked for. Pair mode
     runs clusters of two CTAs that share each weight tile (docs/megakernel.md); it needs an even
-    grid and comm CTA count."""
+    grid and comm CTA count and every CTA resident as a cluster, else the launch runs single
+    CTAs."""
     lib, fns = _lib()
     out = (ctypes.c_int64 * 2)()
     code = fns["launch_shape"](comm_ctas, num_ctas, 1 if pairs else 0, out)
@@ -223,9 +267,15 @@ def _tensor(name, t, dtype, ndim=None, numel=None, shape=None, device=None):
 def check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc1_weight, fc2_weight,
                        ring_x, ring_h, ring_w, counters, epoch_counter, status, *, rank: int,
                        minibatch_rows: int, comm_ctas: int, num_ctas: int, timeout_ns: int,
-                       fc1_weight2=None, fc2_weight2=None) -> None:
-    """Validate :func:`megakernel_forward`'s arguments (shapes, dtypes, the tunables' rules).
-    ``table``, ``offsets`` and ``counts`` may be None (checked later, when the schedule exists)."""
+                       fc1_weight2=None, fc2_weight2=None, group_blocks: int = 8) -> None:
+    """Validate :func:`megakernel_forward`'s arguments (shapes, dtypes, the tunables' rules: the
+    library's own checks, before any GPU work). ``table``, ``offsets`` and ``counts`` may be None
+    (checked later, when the schedule exists).
+
+    Raises:
+        MegakernelArgumentError: naming the value and the rule.
+    """
+    c = constants()
     _tensor("fc1_weight", fc1_weight, torch.bfloat16, 3)
     dev = fc1_weight.device
     L, two_i, H = fc1_weight.shape
@@ -242,14 +292,16 @@ def check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc
         if L2 < 1:
             _fail("fc1_weight2 holds no experts; pass None for no second segment")
         L += L2
-    if not 1 <= L <= MAX_EXPERTS:
-        _fail(f"L = {L} local experts is outside [1, {MAX_EXPERTS}]")
-    if H % FC2_COLS:
-        _fail(f"H = {H} must be a multiple of {FC2_COLS} (the fc2 tile's columns)")
-    if two_i % 2 or I % FC1_COLS:
-        _fail(f"I = {two_i / 2:g} must be a multiple of {FC1_COLS} (the fc1 tile's h columns)")
+    if not 1 <= L <= c.max_experts:
+        _fail(f"L = {L} local experts is outside [1, {c.max_experts}]")
+    if H % c.fc2_cols:
+        _fail(f"H = {H} must be a multiple of {c.fc2_cols} (the fc2 tile's columns)")
+    if two_i % 2 or I % c.fc1_cols:
+        _fail(f"I = {two_i / 2:g} must be a multiple of {c.fc1_cols} (the fc1 tile's h columns)")
     _tensor("bases", bases, torch.int64, 1, device=dev)
     P = bases.numel()
+    if not 1 <= P <= c.max_ranks:
+        _fail(f"P = {P} ranks is outside [1, {c.max_ranks}]")
     _tensor("signal_bases", signal_bases, torch.int64, numel=P, device=dev)
     if not 0 <= rank < P:
         _fail(f"rank = {rank} is outside [0, P = {P})")
@@ -264,14 +316,14 @@ def check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc
     if counts is not None:
         _tensor("counts", counts, torch.int32, numel=L, device=dev)
     _tensor("topk_ids", topk_ids, torch.int64, 2, device=dev)
-    if not 1 <= topk_ids.shape[1] <= MAX_TOPK:
-        _fail(f"top-k = {topk_ids.shape[1]} is outside [1, {MAX_TOPK}]")
+    if not 1 <= topk_ids.shape[1] <= c.max_topk:
+        _fail(f"top-k = {topk_ids.shape[1]} is outside [1, {c.max_topk}]")
     R = ring_x.shape[0] if isinstance(ring_x, torch.Tensor) and ring_x.dim() == 2 else -1
     _tensor("ring_x", ring_x, torch.bfloat16, shape=(R, H), device=dev)
     _tensor("ring_h", ring_h, torch.bfloat16, shape=(R, I), device=dev)
     _tensor("ring_w", ring_w, torch.float32, shape=(R,), device=dev)
-    if minibatch_rows <= 0 or minibatch_rows % BLOCK_ROWS:
-        _fail(f"minibatch_rows = {minibatch_rows} must be a positive multiple of {BLOCK_ROWS}")
+    if minibatch_rows <= 0 or minibatch_rows % c.block_rows:
+        _fail(f"minibatch_rows = {minibatch_rows} must be a positive multiple of {c.block_rows}")
     if R % minibatch_rows or R < 2 * minibatch_rows:
         _fail(f"ring_rows = {R} must be a multiple of minibatch_rows = {minibatch_rows} and at least "
               f"two minibatches ({2 * minibatch_rows}): a pull waits for the fc2 tiles of the block "
@@ -285,6 +337,10 @@ def check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc
         _fail(f"num_ctas = {num_ctas} must be 0 (every SM) or above comm_ctas = {comm_ctas}")
     if timeout_ns <= 0:
         _fail(f"timeout_ns = {timeout_ns} must be positive")
+    if (isinstance(group_blocks, bool) or not isinstance(group_blocks, int) or group_blocks % 2
+            or not c.min_group_blocks <= group_blocks <= c.max_group_blocks):
+        _fail(f"group_blocks = {group_blocks!r} must be an even number from {c.min_group_blocks} to "
+              f"{c.max_group_blocks} (the row blocks of a column sweep)")
 
 
 def check_save_args(save_x, save_w, save_gu, table, fc1_weight) -> None:
@@ -316,7 +372,7 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
                        trace: Optional[torch.Tensor], save_x: Optional[torch.Tensor],
                        save_w: Optional[torch.Tensor], save_gu: Optional[torch.Tensor],
                        fc1_weight2: Optional[torch.Tensor], fc2_weight2: Optional[torch.Tensor],
-                       pairs: bool = False) -> torch.Tensor:
+                       pairs: bool = True, group_blocks: int = 8) -> torch.Tensor:
     """One MoE layer forward in one persistent launch (after the schedule kernel).
 
     Args:
@@ -332,8 +388,11 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
         counters: int32 [counter_words(ring_rows)]: the ring and its counters (overwritten).
         epoch_counter: int64 [1], the workspace's barrier counter (advanced by one).
         status: int32 [8], the workspace's status word (timeouts are recorded there).
-        rank: this rank. minibatch_rows: rows per minibatch. comm_ctas: CTAs that pull rows.
-        num_ctas: CTAs of the launch (0: one per SM). timeout_ns: deadline of every wait.
+        rank: this rank. timeout_ns: deadline of every wait.
+        minibatch_rows: rows per minibatch, a positive multiple of ``constants().block_rows``
+            that divides ring_rows at least twice.
+        comm_ctas: CTAs that pull every first-block part the compute CTAs leave, then compute
+            too; at least 2. num_ctas: CTAs of the launch (0: one per SM), else above comm_ctas.
         trace: None, or an int64 [N, 6] timeline (:data:`TRACE_FIELDS` per record; records past N
             are not written); see :func:`trace_records` for the size that holds every record.
         save_x, save_w, save_gu: None, or (for training) bf16 [R_cap, H], fp32 [R_cap] and bf16
@@ -345,6 +404,12 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
             then covers L = L1 + L2 experts.
         pairs: run in clusters of two CTAs that share each weight tile when the grid allows
             (:func:`launch_shape`); the results are bitwise the same either way.
+        group_blocks: row blocks of a minibatch's column sweep (the CTAs that run together share
+            the weight tile in L2): even, ``constants().min_group_blocks`` to
+            ``max_group_blocks``; the results are bitwise the same for every value.
+
+    Every rank of an EP group must pass the same minibatch_rows, comm_ctas, num_ctas, pairs and
+    group_blocks (:func:`default_tunables` gives the library's defaults).
 
     Returns:
         y: bf16 [T, H], the weighted sum over the top-k slots (NaN if a status flag is set).
@@ -352,7 +417,7 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
     check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc1_weight, fc2_weight, ring_x,
                        ring_h, ring_w, counters, epoch_counter, status, rank=rank, minibatch_rows=minibatch_rows,
                        comm_ctas=comm_ctas, num_ctas=num_ctas, timeout_ns=timeout_ns,
-                       fc1_weight2=fc1_weight2, fc2_weight2=fc2_weight2)
+                       fc1_weight2=fc1_weight2, fc2_weight2=fc2_weight2, group_blocks=group_blocks)
     if trace is not None:
         _tensor("trace", trace, torch.int64, 2, device=fc1_weight.device)
         if trace.shape[1] != len(TRACE_FIELDS):
@@ -361,13 +426,13 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
     return launch_forward(bases, signal_bases, rows_offset, scalars_offset, slots_offset, table, offsets, counts,
                           topk_ids, fc1_weight, fc2_weight, ring_x, ring_h, ring_w, counters, epoch_counter, status,
                           rank, minibatch_rows, comm_ctas, num_ctas, timeout_ns, trace, save_x, save_w, save_gu,
-                          fc1_weight2, fc2_weight2, pairs)
+                          fc1_weight2, fc2_weight2, pairs, group_blocks)
 
 
 def launch_forward(bases, signal_bases, rows_offset, scalars_offset, slots_offset, table, offsets, counts, topk_ids,
                    fc1_weight, fc2_weight, ring_x, ring_h, ring_w, counters, epoch_counter, status, rank,
                    minibatch_rows, comm_ctas, num_ctas, timeout_ns, trace, save_x, save_w, save_gu, fc1_weight2,
-                   fc2_weight2, pairs=False) -> torch.Tensor:
+                   fc2_weight2, pairs=True, group_blocks=8) -> torch.Tensor:
     """:func:`megakernel_forward` without the Python argument checks, for callers that checked
     them already (the megakernel backend checks its workspace, ring and weights once per shape and
     builds the schedule and the training copies itself); the C side still checks every size before
@@ -384,12 +449,14 @@ def launch_forward(bases, signal_bases, rows_offset, scalars_offset, slots_offse
         ring_h=ring_h.data_ptr(), ring_w=ring_w.data_ptr(), counters=counters.data_ptr(),
         y=y.data_ptr() if T else 0, epoch_counter=epoch_counter.data_ptr(), status=status.data_ptr(),
         timeout_ns=timeout_ns, P=bases.numel(), rank=rank, L=L, H=H, I=two_i // 2, K=K, T=T,
-        ring_rows=ring_x.shape[0], minibatch_rows=minibatch_rows, comm_ctas=comm_ctas, num_ctas=num_ctas,
+        ring_rows=ring_x.shape[0],
         trace=trace.data_ptr() if trace is not None else 0, trace_capacity=trace.shape[0] if trace is not None else 0,
         save_x=save_x.data_ptr() if save_x is not None else 0, save_w=save_w.data_ptr() if save_w is not None else 0,
         save_gu=save_gu.data_ptr() if save_gu is not None else 0,
         fc1_weight2=fc1_weight2.data_ptr() if fc1_weight2 is not None else 0,
-        fc2_weight2=fc2_weight2.data_ptr() if fc2_weight2 is not None else 0, L1=L1, pairs=1 if pairs else 0)
+        fc2_weight2=fc2_weight2.data_ptr() if fc2_weight2 is not None else 0, L1=L1,
+        tunables=MegakernelTunablesStruct(comm_ctas=comm_ctas, num_ctas=num_ctas, minibatch_rows=minibatch_rows,
+                                          pairs=1 if pairs else 0, group_blocks=group_blocks))
     lib, fns = _lib()
     lib.check(fns["forward"](ctypes.byref(args), stream_of(y)), "mok_megakernel_forward")
     return y
@@ -398,5 +465,6 @@ def launch_forward(bases, signal_bases, rows_offset, scalars_offset, slots_offse
 @megakernel_forward.register_fake
 def _(bases, signal_bases, rows_offset, scalars_offset, slots_offset, table, offsets, counts, topk_ids,
       fc1_weight, fc2_weight, ring_x, ring_h, ring_w, counters, epoch_counter, status, rank, minibatch_rows,
-      comm_ctas, num_ctas, timeout_ns, trace, save_x, save_w, save_gu, fc1_weight2, fc2_weight2):
+      comm_ctas, num_ctas, timeout_ns, trace, save_x, save_w, save_gu, fc1_weight2, fc2_weight2, pairs=True,
+      group_blocks=8):
     return fc1_weight.new_empty((topk_ids.shape[0], fc1_weight.shape[2]))

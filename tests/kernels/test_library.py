@@ -128,17 +128,15 @@ def test_mok_op_calls_eager_plain_tensors_directly_and_fakes_through_the_op():
 def test_status_reaches_the_pinned_host_copy(mode, monkeypatch):
     # The status word is mirrored to pinned host memory at the end of every call: by a kernel's
     # stores where the memory is mapped (it is on the H200 machines: asserted, so the kernel
-    # path cannot go untested), else (and with MOK_STATUS_MIRROR=copy) by a copy.
+    # path cannot go untested), else (unmapped memory, torch.compile) by a copy.
     from megatron_mok import MoKConfig
     from megatron_mok.functional.workspace import get_workspace
 
-    if mode == "copy":
-        monkeypatch.setenv("MOK_STATUS_MIRROR", "copy")
-    else:
-        monkeypatch.delenv("MOK_STATUS_MIRROR", raising=False)
     dev = torch.device("cuda", torch.cuda.current_device())
     ws = get_workspace(None, dev, tokens=8, hidden=256, topk=2, experts_per_rank=4, config=MoKConfig(timeout_s=5.0))
     assert ws._status_host_mapped != 0, "pinned memory is not mapped for the device"
+    if mode == "copy":  # as where the memory is not mapped
+        monkeypatch.setattr(ws, "_status_host_mapped", 0)
     for words in ([0, 7, 1, 2, 3, 0, 0, 0], [0] * 8):
         ws.status_host.fill_(-5)  # poison: every word must be written
         ws.status.copy_(torch.tensor(words, dtype=torch.int32))

@@ -49,6 +49,6 @@ MOK_API int mok_host_device_pointer(void* host, void** device);
 
 // Queue a kernel that stores the MOK_STATUS_WORDS words of `status` (device) at `host_mapped`
 // (a device address of pinned host memory, mok_host_device_pointer): the status mirror of every
-// call without a copy-engine copy, whose hand-over back to the compute engine cost the GPU ~8 us
-// per call between two calls' kernels (docs/perf-notes.md, twenty-second session).
+// call without a copy-engine copy, whose hand-over back to the compute engine costs the GPU ~8 us
+// per call between two calls' kernels (docs/perf-notes.md).
 MOK_API int mok_mirror_status(const int32_t* status, int32_t* host_mapped, cudaStream_t stream);

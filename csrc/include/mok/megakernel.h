@@ -5,7 +5,8 @@
 // Peer memory is the symmetric workspace of the cuda backend: `bases[s]` is rank s's region,
 // in which `rows_offset` holds its published bf16 tokens [T_cap, H], `scalars_offset` its fp32
 // router weights [T_cap, K] and `slots_offset` the bf16 combine slots [T_cap, K, H];
-// `signal_bases[s]` is rank s's uint64 [P] flag array (the one mok_barrier uses). The ring
+// `signal_bases[s]` is rank s's uint64 [P] flag array (the one mok_barrier uses; a launch
+// stores rank r's combine-done epoch into word r of every rank's array, nothing else). The ring
 // (x rows, h rows, router weights) and the counters are local device buffers whose size
 // the config fixes, whatever the routing.
 #pragma once
@@ -14,8 +15,48 @@
 
 #include "mok/common.h"
 
-// Every field is 8 bytes wide (pointers and int64), so the layout is the same for any C
-// compiler and for Python's ctypes; mok_megakernel_args_bytes() returns sizeof for a check.
+// Every field of the structs below is 8 bytes wide (pointers and int64), so their layout is the
+// same for any C compiler and for Python's ctypes; the mok_megakernel_*_bytes() functions
+// return their sizeof for a check.
+
+// The schedule knobs of a launch. Every rank of an EP group must pass the same values (the
+// launches wait on each other's flags; the results do not depend on them: every setting gives
+// the same bits). mok_megakernel_default_tunables() gives the defaults; mok_megakernel_forward
+// checks the rules before any CUDA call.
+typedef struct MokMegakernelTunables {
+  int64_t comm_ctas;       // CTAs that pull the first blocks before they compute too, >= 2 (and
+                           // even for pair mode); the default, 0, means "the caller chooses it
+                           // from the shape" and is not a valid launch value
+  int64_t num_ctas;        // CTAs of the launch: 0 (every SM; capped by the occupancy) or above
+                           // comm_ctas
+  int64_t minibatch_rows;  // rows of a minibatch: a positive multiple of 128 that divides
+                           // ring_rows at least twice; the default, 0, means "the caller chooses"
+  int64_t pairs;           // 1: clusters of two CTAs that share each weight tile (pair mode) when
+                           // the grid allows (even grid and comm_ctas, every CTA resident as a
+                           // cluster); 0: single CTAs
+  int64_t group_blocks;    // row blocks of a minibatch's column sweep (the CTAs that run
+                           // together share the weight tile in L2): even, 2 to 64
+} MokMegakernelTunables;
+
+// Fixed sizes and bounds of the kernel, for callers that size buffers or check arguments
+// (mok_megakernel_constants()).
+typedef struct MokMegakernelConstants {
+  int64_t block_rows;              // rows of a row block (the schedule's tile_rows)
+  int64_t fc1_cols;                // h columns of an fc1 tile: I must be a multiple
+  int64_t fc2_cols;                // output columns of an fc2 tile: H must be a multiple
+  int64_t max_experts;             // bound on L, local experts per launch
+  int64_t max_topk;                // bound on K
+  int64_t max_ranks;               // bound on P
+  int64_t first_pull_parts;        // parts of a first block's pull (block_rows / parts rows each)
+  int64_t first_pull_minibatches;  // minibatches whose blocks every CTA pulls in parts first
+  int64_t tile_arrivals;           // counter arrivals per GEMM tile (one per consumer warpgroup)
+  int64_t min_group_blocks;        // MokMegakernelTunables::group_blocks bounds
+  int64_t max_group_blocks;
+  int64_t trace_fields;            // int64 words of a trace record
+  int64_t trace_cta_kind;          // the kind of a CTA's own trace record
+  int64_t max_ctas;                // bound on the CTAs of a launch (trace records of the CTAs)
+} MokMegakernelConstants;
+
 typedef struct MokMegakernelArgs {
   const uint64_t* bases;         // device [P]: every rank's workspace region
   const uint64_t* signal_bases;  // device [P]: every rank's uint64 [P] flag array
@@ -38,11 +79,7 @@ typedef struct MokMegakernelArgs {
   int32_t* status;               // the workspace's status word, int32 [MOK_STATUS_WORDS]
   int64_t timeout_ns;            // deadline of every wait
   int64_t P, rank, L, H, I, K, T;
-  int64_t ring_rows;             // a multiple of minibatch_rows, at least two minibatches
-  int64_t minibatch_rows;        // a positive multiple of 128
-  int64_t comm_ctas;             // CTAs that pull rows, >= 2; the other CTAs compute (and push
-                                 // fc2's output rows home from its epilogue)
-  int64_t num_ctas;              // CTAs of the launch (0: every SM; capped by the occupancy)
+  int64_t ring_rows;             // a multiple of tunables.minibatch_rows, at least two minibatches
   int64_t* trace;                // optional timeline, int64 [trace_capacity, 6] (null: off;
                                  // mok/megakernel/trace.cuh says what each record holds)
   int64_t trace_capacity;        // records of `trace`
@@ -59,12 +96,21 @@ typedef struct MokMegakernelArgs {
   const void* fc1_weight2;
   const void* fc2_weight2;
   int64_t L1;
-  // 1: run in clusters of two CTAs that share each weight tile (pair mode) when the grid allows
-  // (even grid and comm_ctas); 0: single CTAs. MOK_MEGAKERNEL_PAIRS=0/1 overrides it.
-  int64_t pairs;
+  MokMegakernelTunables tunables;  // the schedule knobs (above)
 } MokMegakernelArgs;
 
 MOK_API int64_t mok_megakernel_args_bytes(void);
+MOK_API int64_t mok_megakernel_tunables_bytes(void);
+MOK_API int64_t mok_megakernel_constants_bytes(void);
+
+// The default tunables: comm_ctas, num_ctas and minibatch_rows 0 (the caller chooses them from
+// the shape and the device), pairs 1, group_blocks 8. Returns MOK_OK, or
+// MOK_ERR_INVALID_ARGUMENT for a null pointer. No CUDA call.
+MOK_API int mok_megakernel_default_tunables(MokMegakernelTunables* out);
+
+// The kernel's fixed sizes and bounds. Returns MOK_OK, or MOK_ERR_INVALID_ARGUMENT for a null
+// pointer. No CUDA call.
+MOK_API int mok_megakernel_constants(MokMegakernelConstants* out);
 
 // int32 words of the counter buffer for a ring of `ring_slots` = ring_rows / 128 slots.
 MOK_API int64_t mok_megakernel_counter_words(int ring_slots);
@@ -78,30 +124,21 @@ MOK_API int64_t mok_megakernel_counter_words(int ring_slots);
 // pairs = 1: the plan of a launch in clusters of two (compute items are pair tiles: out[1] is
 // the pair's first block, the second is out[1] + 1 when it lies in the same minibatch; the
 // wait is the first block's, the second CTA waits for its own block the same way).
-// group_blocks: row blocks of a group (the launch's MOK_MEGAKERNEL_GROUP_BLOCKS; 8 by default),
-// even, 2 to 64.
+// group_blocks: row blocks of a group (MokMegakernelTunables::group_blocks), even, 2 to 64.
 // Returns MOK_OK, or MOK_ERR_INVALID_ARGUMENT for sizes or an index out of range.
 MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_blocks, int slots,
                                      int n1, int n2, int pairs, int group_blocks, int32_t* out);
 
-// The early slot sum's part of the plan (plan.cuh) for these sizes, with the last
-// late_minibatches minibatches late: out[0] = the first late block, out[1] = the first
-// compute-queue position after every fc2 tile of an early block, out[2] = the fc2 tile halves
-// of the early blocks. Returns MOK_OK or MOK_ERR_INVALID_ARGUMENT. No CUDA call.
-MOK_API int mok_megakernel_early_plan(int n_blocks, int mb_blocks, int n1, int n2, int pairs, int late_minibatches,
-                                      int32_t* out);
-
-// The layout block each block of the queues stands for (plan.cuh, BlockOrder), for a rank
-// whose local experts received counts[0 .. L) rows: out[b] for the n_blocks = sum of
-// ceil(counts[l] / 128) blocks (out_len at least that). order 0 layout, 1 zigzag, -1 the order
-// the launches take now (MOK_MEGAKERNEL_BLOCK_ORDER). Returns MOK_OK or
-// MOK_ERR_INVALID_ARGUMENT. No CUDA call.
-MOK_API int mok_megakernel_layout_blocks(const int32_t* counts, int L, int order, int32_t* out, int64_t out_len);
+// The layout block each block of the queues stands for (mok/megakernel/plan.cuh, block order:
+// each expert's blocks from the front and the back in turn), for a rank whose local experts
+// received counts[0 .. L) rows: out[b] for the n_blocks = sum of ceil(counts[l] / 128) blocks
+// (out_len at least that). Returns MOK_OK or MOK_ERR_INVALID_ARGUMENT. No CUDA call.
+MOK_API int mok_megakernel_layout_blocks(const int32_t* counts, int L, int32_t* out, int64_t out_len);
 
 // The grid mok_megakernel_forward launches on the current device for these comm_ctas, num_ctas
-// (0: every SM) and pairs, with MOK_MEGAKERNEL_PAIRS as it is now: out[0] = CTAs, out[1] = 1
-// when they run in clusters of two (pair mode), else 0. Queries the device; returns MOK_OK, a
-// cudaError_t, MOK_ERR_INVALID_ARGUMENT or MOK_ERR_UNSUPPORTED as the forward would.
+// (0: every SM) and pairs (MokMegakernelTunables): out[0] = CTAs, out[1] = 1 when they run in
+// clusters of two (pair mode), else 0. Queries the device; returns MOK_OK, a cudaError_t,
+// MOK_ERR_INVALID_ARGUMENT or MOK_ERR_UNSUPPORTED as the forward would.
 MOK_API int mok_megakernel_launch_shape(int64_t comm_ctas, int64_t num_ctas, int64_t pairs, int64_t* out);
 
 // Runs the forward megakernel on `stream`: a small kernel resets the counters and takes the
@@ -111,10 +148,11 @@ MOK_API int mok_megakernel_launch_shape(int64_t comm_ctas, int64_t num_ctas, int
 // outputs pushed to their home ranks' slots. Every wait has the deadline timeout_ns; a
 // timeout is recorded in `status` (MOK_STATUS_TIMEOUT, the site, the peer) and the launch
 // finishes; y is NaN whenever any status flag is set. No host synchronisation; CUDA-graph
-// capturable. Needs H % 256 == 0, I % 128 == 0, 1 <= L <= 1024, offsets padded to 128 rows.
-// Returns MOK_OK, a cudaError_t (> 0), MOK_ERR_INVALID_ARGUMENT (argument checks come first,
-// before any CUDA call; also when the grid leaves no CTA beside the comm CTAs) or
-// MOK_ERR_UNSUPPORTED (the CTA's shared memory does not fit an SM of this device).
+// capturable. Needs H % 256 == 0, I % 128 == 0, 1 <= L <= 1024, offsets padded to 128 rows,
+// and tunables within their rules (MokMegakernelTunables). Returns MOK_OK, a cudaError_t (> 0),
+// MOK_ERR_INVALID_ARGUMENT (argument checks come first, before any CUDA call; also when the grid
+// leaves no CTA beside the comm CTAs) or MOK_ERR_UNSUPPORTED (the CTA's shared memory does not
+// fit an SM of this device, or the device has more than max_ctas SMs).
 MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t stream);
 
 // Timeout sites of the megakernel's waits (MOK_STATUS_WHERE); 1-4 are the cuda backend's
@@ -122,7 +160,6 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
 enum MokMegakernelSite {
   MOK_SITE_MK_FC1_WAITS_PULL = 7,
   MOK_SITE_MK_FC2_WAITS_FC1 = 8,
-  // 9 was a push CTA waiting for its block's fc2 tiles (before fc2's epilogue pushed)
-  MOK_SITE_MK_PULL_WAITS_SLOT = 10,
+  MOK_SITE_MK_PULL_WAITS_SLOT = 10,  // (9 is unused)
   MOK_SITE_MK_COMBINE_DONE = 11,
 };

@@ -14,8 +14,8 @@ namespace mok {
 
 // Division with __fdividef (MUFU.RCP and a multiply), not the IEEE `/`: the IEEE division
 // compiles to a branch into a called slow-path subroutine, and with it in the epilogue the
-// fused fc1 ran 10-37% slower than the same tile with a plain store (docs/perf-notes.md, fourth
-// session). __fdividef is within 2 ulp; for a denominator above 2^126 (x < -87) it returns 0,
+// fused fc1 ran 10-37% slower than the same tile with a plain store (docs/perf-notes.md).
+// __fdividef is within 2 ulp; for a denominator above 2^126 (x < -87) it returns 0,
 // which is the limit of silu and of sigmoid there.
 __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 __device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.f + __expf(-x)); }

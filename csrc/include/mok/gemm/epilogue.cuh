@@ -319,9 +319,9 @@ struct TmaStoreEpilogue {
 // the summation order are those of the separate kernel (mok_swiglu_backward on the plain fc2
 // data gradient's dh), so the two paths agree bitwise. Padding rows get zeros.
 //
-// Before, the consumers ran this math on their fp32 accumulators themselves: the loads of
-// (a, b) and the three stores stalled the tensor cores, and the fused kernel ran at 0.81-1.12x
-// of torch._grouped_mm plus the separate kernel (docs/perf-notes.md, fourth session).
+// Not in the consumers, on their fp32 accumulators: the loads of (a, b) and the three stores
+// there stall the tensor cores (the fused kernel ran at 0.81-1.12x of torch._grouped_mm plus
+// the separate kernel that way, docs/perf-notes.md).
 struct SwiGLUBackwardEpilogue {
   static constexpr bool kOffload = true;
   struct Params {

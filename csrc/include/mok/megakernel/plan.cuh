@@ -1,4 +1,4 @@
-// The forward megakernel's work plan: which item each position of the two work queues holds,
+// The forward megakernel's work plan: which item each position of the three work queues holds,
 // what an item waits for, and which counter it bumps when done (docs/megakernel.md).
 //
 // Pure functions of a few sizes, shared by the device code and the host (the C ABI exports
@@ -17,12 +17,13 @@
 //            the first group has landed)
 //   compute: fc1(mb 0), then for m = 1 .. n_mb-1: fc1(mb m), fc2(mb m-1); then fc2(last)
 //   pull:    pull(nf), pull(nf + 1), ... (block order after the nf first blocks), served by
-//            the comm CTAs
+//            the pull helpers of the compute CTAs (warps 1-3 of the producer warpgroup)
 // There is no push item: an fc2 tile's epilogue stores its output rows straight into their
 // home ranks' (token, slot) rows, so a block's slot is free once its fc2 tiles are done, and the
-// comm CTAs only pull, as far ahead as the ring allows.
-// Within a minibatch, GEMM tiles run in groups of up to 8 row blocks, column block by column
-// block inside a group (the CTAs that run together share the weight tile in L2).
+// pulls only wait for that, as far ahead as the ring allows.
+// Within a minibatch, GEMM tiles run in groups of up to group_blocks row blocks (8 by default),
+// column block by column block inside a group (the CTAs that run together share the weight
+// tile in L2).
 // Pair mode (the kernel launched in clusters of two CTAs): a compute item is a pair tile, the
 // same column block of two consecutive blocks of a minibatch (first + 2j and first + 2j + 1),
 // one per CTA of the cluster; both CTAs take it together. When the two blocks belong to one
@@ -45,14 +46,14 @@ namespace mega {
 constexpr int kBlockRows = 128;       // rows of a row block (= tile_rows = the GEMM tile's M)
 constexpr int kFc1Cols = 128;         // h columns of an fc1 tile (256 gate+up rows of fc1)
 constexpr int kFc2Cols = 256;         // output columns of an fc2 tile
-constexpr int kGroupBlocks = 8;       // row blocks per column sweep inside a minibatch
+constexpr int kDefaultGroupBlocks = 8;  // row blocks per column sweep inside a minibatch
+constexpr int kMinGroupBlocks = 2;      // group_blocks: even, kMinGroupBlocks .. kMaxGroupBlocks
+constexpr int kMaxGroupBlocks = 64;
 constexpr int kTileArrivals = 2;      // consumer warpgroups per GEMM tile; each bumps once
 constexpr int kFirstPullParts = 8;    // parts of a first block's pull (16 rows each)
 constexpr int kFirstPullMinibatches = 2;  // minibatches whose blocks are pulled in parts
-constexpr int kLateMinibatches = 2;       // the last minibatches, whose rows the early sum waits out
 
-// (4 was the push item of the comm CTAs, before fc2's epilogue pushed; 5 is the trace's CTA
-// record kind.)
+// (5 is the trace's CTA record kind, trace.cuh.)
 enum ItemKind : int32_t { kEnd = 0, kFc1 = 1, kFc2 = 2, kPull = 3, kPullPart = 6 };
 enum Queue : int32_t { kComputeQueue = 0, kPullQueue = 1, kFirstPullQueue = 2 };
 // Per-slot counters, each an int32[slots] array; they only grow within a launch. kFc2Done also
@@ -69,9 +70,7 @@ enum HeaderWord : int32_t {
   kSumNext = 5,       // slot-sum queue position (units: a quarter of a token's row)
   kRoleTicket = 6,    // CTAs started: the first comm_ctas become comm CTAs
   kFirstPullNext = 7, // first-pull queue position
-  kEarlyDelivered = 8,  // fc2 tile halves of the early blocks delivered home (early_arrivals)
-  kEarlyNext = 9,     // early slot-sum queue position (units, as kSumNext; slot_sum.cuh)
-  kHeaderWords = 10,
+  kHeaderWords = 8,
 };
 
 MOK_HD int64_t counter_words(int slots) { return kHeaderWords + (int64_t)kNumSlotCounters * slots; }
@@ -83,11 +82,8 @@ struct Plan {
   int slots;      // ring slots (ring_rows / kBlockRows), a multiple of mb_blocks, >= 2 minibatches
   int n1;         // fc1 column blocks: I / kFc1Cols
   int n2;         // fc2 column blocks: H / kFc2Cols
-  int first_minibatches = kFirstPullMinibatches;  // whose blocks are pulled in parts (0: none)
   int pairs = 0;  // 1: compute items are pair tiles, for CTA clusters of two (below)
-  int late_minibatches = kLateMinibatches;  // (slot_sum.cuh, early sum)
-  int first_group = 1;  // 1: compute CTAs pull parts of the first group's blocks only (0: the first minibatch's)
-  int group_blocks = kGroupBlocks;  // row blocks of a column sweep (even; KernelParams::group_blocks)
+  int group_blocks = kDefaultGroupBlocks;  // row blocks of a column sweep (MokMegakernelTunables)
 };
 
 struct Item {
@@ -121,22 +117,13 @@ MOK_HD int compute_records(const Plan& p) { return p.pairs ? 2 * compute_items(p
 // fc2 tile halves of the launch (one per consumer warpgroup of every fc2 tile): what
 // kFc2Delivered reaches once every output row is at home.
 MOK_HD int fc2_arrivals(const Plan& p) { return p.n_blocks * p.n2 * kTileArrivals; }
-// The early slot sum (slot_sum.cuh) waits out the last late_minibatches minibatches: the blocks
-// before the first of them are "early", and so are their fc2 tile halves, which
-// kEarlyDelivered counts up to early_arrivals.
-MOK_HD int early_minibatches(const Plan& p) {
-  const int c = num_minibatches(p) - p.late_minibatches;
-  return c > 0 ? c : 0;
-}
-MOK_HD int first_late_block(const Plan& p) { return early_minibatches(p) * p.mb_blocks; }
-MOK_HD int early_arrivals(const Plan& p) { return first_late_block(p) * p.n2 * kTileArrivals; }
 // Record slots of the trace for comm items: one per block for pulls (the first blocks' records
 // stay empty; their parts have records after the CTAs', trace.cuh).
 MOK_HD int comm_items(const Plan& p) { return p.n_blocks; }
 // Blocks pulled in parts when the launch starts. The ring holds at least two minibatches, so
 // they are all first generation: their slots were never used.
 MOK_HD int first_blocks(const Plan& p) {
-  int n = p.first_minibatches * p.mb_blocks;
+  int n = kFirstPullMinibatches * p.mb_blocks;
   n = n < p.slots ? n : p.slots;  // (no-op for a valid ring)
   return n < p.n_blocks ? n : p.n_blocks;
 }
@@ -167,29 +154,22 @@ MOK_HD Item tile_in_minibatch(const Plan& p, int32_t kind, int m, int cols, int 
   return it;
 }
 
-// Block order (KernelParams::block_order): which layout block of its expert each block of the
-// queues stands for. The plan (queues, slots, counters) stays in queue order; only the rows a
-// block stands for change, within its expert, so an expert's blocks keep their queue positions.
-//   kLayoutOrder: the layout's own order.
-//   kZigzag: the j-th block of an expert whose blocks are [first, first + n) of the layout is
-//     its block j / 2 from the front (even j) or from the back (odd j). Within an expert the
-//     layout holds the rows in (source rank, token, slot) order, so at P = 2 the front blocks
-//     come from rank 0 and the back ones from rank 1: the order alternates between local and
-//     remote rows, for the pulls and for fc2's pushes, where the layout order runs a long
-//     stretch of one kind (a large expert holds tens of blocks from each rank) and every CTA
-//     pushes over NVLink at once.
-// (A third order, the experts' partial last blocks paired with each other across experts, was
-// level at 48 experts per GPU and 0.1 ms slower at 128: branch tried/short-block-pairs.)
-enum BlockOrder : int { kLayoutOrder = 0, kZigzag = 1 };
+// Block order: which layout block of its expert each block of the queues stands for. The plan
+// (queues, slots, counters) stays in queue order; only the rows a block stands for change,
+// within its expert, so an expert's blocks keep their queue positions. Zigzag: the j-th block of
+// an expert whose blocks are [first, first + n) of the layout is its block j / 2 from the front
+// (even j) or from the back (odd j). Within an expert the layout holds the rows in (source
+// rank, token, slot) order, so at P = 2 the front blocks come from rank 0 and the back ones from
+// rank 1: the order alternates between local and remote rows, for the pulls and for fc2's
+// pushes, where the layout's own order runs a long stretch of one kind (a large expert holds
+// tens of blocks from each rank) and every CTA pushes over NVLink at once.
 
 // Position j of n, front and back in turn.
 MOK_HD int zigzag_index(int n, int j) { return (j & 1) == 0 ? j / 2 : n - 1 - j / 2; }
 
 // The layout block for queue block `block` of the expert whose layout blocks are
 // [first, first + n) (the same range of queue positions).
-MOK_HD int layout_block(int first, int n, int block, int order) {
-  return order == kLayoutOrder ? block : first + zigzag_index(n, block - first);
-}
+MOK_HD int layout_block(int first, int n, int block) { return first + zigzag_index(n, block - first); }
 
 // Pair mode: the second block of the pair whose first block is `block`, or -1 when the pair is
 // the odd last block of its minibatch.
@@ -227,16 +207,6 @@ MOK_HD Item interleaved_item(const Plan& p, int i, int32_t kind_a, int ca, int32
 
 // Item at position i of the compute queue (0 <= i < compute_items).
 MOK_HD Item compute_item(const Plan& p, int i) { return interleaved_item(p, i, kFc1, p.n1, kFc2, p.n2); }
-// The first compute-queue position after every fc2 tile of the early minibatches (the order of
-// interleaved_item): a CTA that takes it or a later one has run all of its early fc2 tiles.
-MOK_HD int early_position(const Plan& p) {
-  const int c = early_minibatches(p), n = num_minibatches(p);
-  if (c == 0) return 0;
-  const int B = units_of(p, p.mb_blocks);
-  const int pair = B * (p.n1 + p.n2);
-  if (c <= n - 2) return B * p.n1 + c * pair;
-  return B * p.n1 + (n - 2) * pair + units_of(p, last_minibatch_blocks(p)) * p.n1 + B * p.n2;  // c == n - 1
-}
 
 MOK_HD Item queue_item(const Plan& p, int queue, int i) {
   if (queue == kComputeQueue) return compute_item(p, i);
@@ -254,14 +224,13 @@ MOK_HD Item queue_item(const Plan& p, int queue, int i) {
 }
 
 // First-pull positions a compute CTA takes: the parts of the first group's blocks (the first
-// wave's tiles need nothing else; with first_group == 0, of the first minibatch's). The comm
-// CTAs, and the compute CTAs' pull helpers once those have landed, pull the rest of the first
-// blocks while the compute CTAs start on the first tiles. At
-// P > 1 half of those rows cross NVLink, whose bandwidth sets when the first tile can start:
-// the first group alone lands in half the time of the first minibatch.
+// wave's tiles need nothing else). The comm CTAs, and the compute CTAs' pull helpers once those
+// have landed, pull the rest of the first blocks while the compute CTAs start on the first
+// tiles. At P > 1 half of those rows cross NVLink, whose bandwidth sets when the first tile can
+// start: the first group alone lands in half the time of the first minibatch.
 MOK_HD int first_pull_items_for_compute(const Plan& p) {
   int n = first_blocks(p) < p.mb_blocks ? first_blocks(p) : p.mb_blocks;
-  if (p.first_group && n > p.group_blocks) n = p.group_blocks;
+  if (n > p.group_blocks) n = p.group_blocks;
   return n * kFirstPullParts;
 }
 

@@ -2,11 +2,8 @@
 // stores its output rows straight into their home ranks' (token, slot) rows (peer memory for
 // the rows of other ranks), and each compute CTA, once its queue is empty, counts its fc2 tile
 // halves as delivered after a system-scope fence. Whoever completes the count raises every
-// rank's combine-done flag for this rank.
-//
-// Until the twelfth session the epilogue wrote the output rows back into the ring and push CTAs
-// (and compute CTAs with nothing left to compute) copied them home: the SMs, the ring write and
-// re-read, and the last push after the last tile were the cost (docs/megakernel.md).
+// rank's combine-done flag for this rank. Pushing from the epilogue costs no SM, no ring write
+// and re-read, and no push after the last tile (docs/megakernel.md).
 //
 // Memory ordering. The home rank reads its slots after acquiring every rank's flag
 // (slot_sum.cuh). Every thread that stored rows issues fence.sc.sys (__threadfence_system)
@@ -76,21 +73,6 @@ __device__ __forceinline__ void raise_combine_done(const uint64_t* signal_bases,
   for (int q = 0; q < P; ++q) st_release_sys_u64(reinterpret_cast<uint64_t*>(signal_bases[q]) + rank, epoch);
 }
 
-// Every rank's "early delivered" flag for this rank (word P + rank of its flag array) and the
-// first global expert id whose rows this rank may still be computing (word 2P + rank): every
-// output row of this rank's experts below it has reached its home rank. Called once per launch:
-// by the thread that completes kEarlyDelivered, or, when no block is early, by the CTA with
-// ticket 0 (late_from then names the expert of the first block: every row is late).
-__device__ __forceinline__ void raise_early_delivered(const uint64_t* signal_bases, int P, int rank, uint64_t epoch,
-                                                      int64_t late_from) {
-  fence_acq_rel_sys();
-  for (int q = 0; q < P; ++q) {
-    uint64_t* flags = reinterpret_cast<uint64_t*>(signal_bases[q]);
-    *reinterpret_cast<volatile uint64_t*>(flags + 2 * P + rank) = (uint64_t)late_from;
-    st_release_sys_u64(flags + P + rank, epoch);  // releases the word above too
-  }
-}
-
 struct DeliveryArgs {
   int32_t* counters;
   const int32_t* status;
@@ -98,35 +80,12 @@ struct DeliveryArgs {
   uint64_t epoch;
   int P, rank;
   int total;             // fc2_arrivals(plan)
-  int early_total;       // early_arrivals(plan)
-  int early_record;      // early_position(plan) as a stage record's index (x 2 in pair mode)
-  int64_t late_from;     // global id of the expert of first_late_block(plan)
 };
 
 // What a consumer warpgroup has counted of its fc2 tile halves (padding-only halves included).
 struct Fc2Tally {
   int halves = 0;
-  bool early_reported = false;  // its halves of early blocks are in kEarlyDelivered
 };
-
-// The warpgroup's fc2 tile halves of early blocks, counted as delivered once every thread's
-// pushed rows have reached their home ranks (the same fence, barrier and acq_rel count as
-// deliver_fc2; the thread that completes the count raises the early flags). Called by the 128
-// threads of consumer warpgroup cw before its first tile at or past early_position, or by
-// deliver_fc2 when it has none: one system-scope fence per warpgroup and launch more.
-__device__ __forceinline__ void add_early(const DeliveryArgs& a, int halves) {
-  const int before = atom_add_acq_rel_gpu(&a.counters[kEarlyDelivered], halves);
-  if (before + halves == a.early_total && !timeout_recorded(a.status))
-    raise_early_delivered(a.signal_bases, a.P, a.rank, a.epoch, a.late_from);
-}
-
-__device__ __forceinline__ void report_early(const DeliveryArgs& a, Fc2Tally& tally, int cw) {
-  tally.early_reported = true;
-  if (tally.halves == 0) return;
-  __threadfence_system();
-  gemm::named_barrier_sync(1 + cw, 128);
-  if (threadIdx.x % 128 == 0) add_early(a, tally.halves);
-}
 
 // Called by the 128 threads of consumer warpgroup cw after its last tile. After a timeout the
 // flags stay unset: the count falls short of the total whenever a producer stopped early, and
@@ -135,7 +94,6 @@ __device__ __forceinline__ void deliver_fc2(const DeliveryArgs& a, const Fc2Tall
   __threadfence_system();  // this thread's pushed rows reach their home ranks first
   gemm::named_barrier_sync(1 + cw, 128);
   if (threadIdx.x % 128 == 0 && tally.halves > 0) {
-    if (!tally.early_reported) add_early(a, tally.halves);  // every half it ran was early
     const int before = atom_add_acq_rel_gpu(&a.counters[kFc2Delivered], tally.halves);
     if (before + tally.halves == a.total && !timeout_recorded(a.status))
       raise_combine_done(a.signal_bases, a.P, a.rank, a.epoch);

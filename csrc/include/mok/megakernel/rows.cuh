@@ -1,19 +1,19 @@
-// Row copies of the megakernel's comm CTAs: a pull copies the 128 rows of a row block, or 16 of
-// them (a part of a first block, plan.cuh), and their router weights from their source ranks
-// into a ring slot. (The output rows go home from fc2's epilogue: push.cuh.)
+// Row copies of the megakernel's pull crews (crews.cuh): a pull copies the 128 rows of a row
+// block, or 16 of them (a part of a first block, plan.cuh), and their router weights from their
+// source ranks into a ring slot. (The output rows go home from fc2's epilogue: push.cuh.)
 //
-// Two ways to move a row, chosen per launch (KernelParams::bulk_copies):
+// Two ways to move a row, by who copies:
 //
-// - Bulk (the default): each warp streams its rows through a private ring of kCopyStages
-//   shared-memory chunks of kCopyChunkBytes. Lane 0 issues TMA bulk copies: global -> shared
-//   (cp.async.bulk, completion counted in bytes on the stage's mbarrier), then shared ->
-//   global (cp.async.bulk bulk_group; a pull stores the chunk twice when the training copy is
-//   on). kCopyStages - 1 loads stay in flight per warp while the oldest chunk is stored, so a
-//   comm CTA keeps ~144 KB in flight without holding any of it in registers, and the row
-//   addresses are read once per block by the warp's lanes (no dependent table read per row).
-// - Registers: one warp per row, 16-byte vectors, kCopyUnroll loads in flight per lane
-//   (~86 KB per CTA). Measured on H200s at 45-50 GB/s (read + write) per comm CTA, with 8 or
-//   14 loads in flight alike. Kept for comparison (MOK_MEGAKERNEL_COPIES=registers).
+// - Bulk, a whole CTA (the first pulls, when its stage area holds no tile yet): each warp
+//   streams its rows through a private ring of kCopyStages shared-memory chunks of
+//   kCopyChunkBytes. Lane 0 issues TMA bulk copies: global -> shared (cp.async.bulk,
+//   completion counted in bytes on the stage's mbarrier), then shared -> global
+//   (cp.async.bulk bulk_group; a pull stores the chunk twice when the training copy is on).
+//   kCopyStages - 1 loads stay in flight per warp while the oldest chunk is stored, so a CTA
+//   keeps ~144 KB in flight without holding any of it in registers, and the row addresses are
+//   read once per block by the warp's lanes (no dependent table read per row).
+// - Registers, the pull helpers (three warps of a compute CTA, whose GEMM owns the stage area):
+//   one warp per row, 16-byte vectors, kCopyUnroll loads in flight per lane.
 //
 // Memory ordering. Rows that TMA reads after bulk or generic stores (a pull's rows, read by
 // fc1's TMA) are ordered by fence.proxy.async.global on both sides of the counter hand-over;
@@ -34,7 +34,7 @@ namespace mega {
 
 constexpr int kCopyUnroll = 14;  // H = 7168: 896 vectors = two rounds of 14 per lane
 
-// Bulk copies: per-warp shared-memory ring (comm CTAs reuse the GEMM stage area).
+// Bulk copies: per-warp shared-memory ring (a whole CTA's first pulls reuse the GEMM stage area).
 constexpr int kCopyWarps = 12;
 constexpr int kCopyStages = 4;
 constexpr int kCopyChunkBytes = 4096;

@@ -75,7 +75,6 @@ struct TileOperands {
   // its first 64 rows (an expert's last block; at ~170 rows per expert, half of all blocks).
   CUtensorMap fc1_a_half;
   CUtensorMap fc2_a_half;
-  int half_a;  // 1: use them (MOK_MEGAKERNEL_HALF_A=0 turns them off, for comparison)
   gemm::SwiGLUForwardEpilogue::Params swiglu;  // h = ring h, scale = ring router weights, gu = null
   __nv_bfloat16* save_gu;                      // [R_cap, 2I] training copy of the pre-activation, or null
   PushTargets push;                            // fc2's output rows: their home (token, slot) rows
@@ -93,11 +92,10 @@ __device__ __forceinline__ int expert_of_row(const int32_t* offs, int L, int row
 }
 
 // The layout block whose rows the queues' block `block` of expert e stands for (plan.cuh,
-// BlockOrder).
-__device__ __forceinline__ int layout_block_of(const int32_t* offs, int e, int block, int order) {
-  if (order == kLayoutOrder) return block;
+// block order).
+__device__ __forceinline__ int layout_block_of(const int32_t* offs, int e, int block) {
   const int first = offs[e] / kBlockRows;
-  return layout_block(first, offs[e + 1] / kBlockRows - first, block, order);
+  return layout_block(first, offs[e + 1] / kBlockRows - first, block);
 }
 
 // How a tile's stages are filled in pair mode (plan.cuh). kOwnB: the CTA loads its A rows and
@@ -179,8 +177,7 @@ __device__ __forceinline__ int next_position(const ComputeContext& cx, const Pai
     gemm::mbar_wait(link.mail, mail_phase ^ 1u);  // the follower has read the previous position
     // st.async, not a store and a release arrive: a release at cluster scope waits for this
     // thread's earlier memory operations, and the hand-over lies on the chain between a tile's
-    // last stage and the next tile's first, which is not hidden after fc2 tiles
-    // (docs/perf-notes.md, tenth session).
+    // last stage and the next tile's first, which is not hidden after fc2 tiles.
     gemm::st_async_cluster_u32(link.ticket, link.mail, 1, (uint32_t)i);
   } else {
     // One arrival (this thread's) and 4 bytes (the leader's st.async) complete the phase.
@@ -198,7 +195,7 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
                                               const int32_t* offs, const int32_t* cnts,
                                               const gemm::SmemRing<Fc1Cfg>& ring1,
                                               const gemm::SmemRing<Fc2Cfg>& ring2, StageRecord* records,
-                                              const PairLink& link, int block_order) {
+                                              const PairLink& link) {
   gemm::tma_prefetch_descriptor(&ops.fc1.map_a);
   gemm::tma_prefetch_descriptor(&ops.fc1.map_b);
   gemm::tma_prefetch_descriptor(&ops.fc2.map_a);
@@ -207,10 +204,8 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
     gemm::tma_prefetch_descriptor(&ops.fc1_2.map_b);
     gemm::tma_prefetch_descriptor(&ops.fc2_2.map_b);
   }
-  if (ops.half_a) {
-    gemm::tma_prefetch_descriptor(&ops.fc1_a_half);
-    gemm::tma_prefetch_descriptor(&ops.fc2_a_half);
-  }
+  gemm::tma_prefetch_descriptor(&ops.fc1_a_half);
+  gemm::tma_prefetch_descriptor(&ops.fc2_a_half);
   const bool paired = link.rank >= 0;
   const int total = compute_items(plan);
   gemm::PipeState st;
@@ -275,7 +270,7 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
       fence_proxy_async_global();
       const int slot = it.block % plan.slots;
       const int e = expert_of_row(offs, cx.L, it.block * kBlockRows);
-      const int rows_block = layout_block_of(offs, e, it.block, block_order);
+      const int rows_block = layout_block_of(offs, e, it.block);
       const int row = rows_block * kBlockRows;
       int real = offs[e] + cnts[e] - row;
       real = real < 0 ? 0 : (real > kBlockRows ? kBlockRows : real);
@@ -286,7 +281,7 @@ __device__ __forceinline__ void produce_tiles(const TileOperands& ops, const Pla
       // The tile's expert indexes its weight segment.
       second_segment = e >= ops.L1;
       t = gemm::RowTile{second_segment ? e - ops.L1 : e, rec.row0, it.col, rec.row_end, true};
-      if (ops.half_a && real <= kBlockRows / 2) half_a = it.kind == kFc1 ? &ops.fc1_a_half : &ops.fc2_a_half;
+      if (real <= kBlockRows / 2) half_a = it.kind == kFc1 ? &ops.fc1_a_half : &ops.fc2_a_half;
     }
     const int rank = paired ? link.rank : 0;
     if (it.kind == kFc1)
@@ -325,12 +320,11 @@ __device__ __forceinline__ void zero_gu_half(const gemm::SwiGLUForwardEpilogue::
 }
 
 // Consumer warpgroup cw (0 or 1): rows cw * 64 .. +64 of every tile. Returns the fc2 tile halves
-// it ran (push.cuh counts them as delivered); before its first tile at or past early_position it
-// counts those of the early blocks as delivered early (report_early).
+// it ran (push.cuh counts them as delivered).
 __device__ __forceinline__ Fc2Tally consume_tiles(const TileOperands& ops, const Plan& plan, const ComputeContext& cx,
                                                   const gemm::SmemRing<Fc1Cfg>& ring1,
                                                   const gemm::SmemRing<Fc2Cfg>& ring2, const StageRecord* records,
-                                                  const DeliveryArgs& delivery, int cw) {
+                                                  int cw) {
   gemm::PipeState st;
   float acc[Fc1Cfg::kAccRegs];
   Fc2Tally tally;
@@ -347,8 +341,6 @@ __device__ __forceinline__ Fc2Tally consume_tiles(const TileOperands& ops, const
       else pass_stages(ops.fc2.K / gemm::kBK, ring2, st);
       continue;
     }
-    // Queue order: a tile at or past early_position comes after every early fc2 tile.
-    if (!tally.early_reported && record >= delivery.early_record) report_early(delivery, tally, cw);
     const bool stamps = cx.trace.on() && threadIdx.x % 128 == 0 && cw == 0;
     if (stamps) cx.trace.stamp(record, kTrStart);
     const int slot = t.row0 / kBlockRows;

@@ -7,15 +7,16 @@
 //   first-pull part i      -> record C + comm_items + gridDim.x + i
 // Fields: take (taken from its queue), ready (its input acquired), start (the consumers begin
 // its MMAs; = ready for comm items), done (its counter released), meta (kind | block << 8 |
-// col << 40), cta. CTA records: take = start of the CTA, ready = its queue ran empty, start =
-// every combine-done flag seen, done = its share of the slot sum finished; meta = kind 5 |
-// role << 8 (0 compute, 1 comm). Costs a few stores per item; used by
-// scripts/megakernel_timeline.py to see where the time goes.
+// col << 40), cta. CTA records: take = start of the CTA, ready = its first consumer warpgroup
+// ran out of tiles (fc2 halves counted as delivered), start = every combine-done flag seen,
+// done = its share of the slot sum finished; meta = kind 5 | role << 8 (0 compute, 1 comm).
+// Costs a few stores per item; tools/perf/megakernel_timeline.py reads it to see where the time
+// goes.
 #pragma once
 
 #include <cstdint>
 
-#include "mok/megakernel/sync.cuh"
+#include "mok/memory_order.cuh"
 
 namespace mok {
 namespace mega {
