@@ -7,7 +7,7 @@ loss curves agree within bf16 noise.
 import argparse
 import sys
 
-from megatron_mok.megatron.training_log import compare_curves, compare_losses, parse_training_log, summarize
+from megatron_mok.megatron.training_log import compare_curves, compare_losses, losses, parse_log, summarize_run
 
 # Two bf16 runs of the same model, data and initialisation whose MoE layers sum in different
 # orders drift apart by round-off (megatron_mok.megatron.training_log.CurveComparison says how
@@ -28,12 +28,12 @@ def main(argv=None) -> int:
     runs = []
     for path in args.logs:
         with open(path, errors="replace") as f:
-            log = parse_training_log(f.read())
-        if not log:
+            curve = losses(parse_log(f.read())[1])
+        if not curve:
             print(f"{path}: no iteration with an lm loss; see the log for the error", file=sys.stderr)
             return 1
-        runs.append(log)
-        s = summarize(log, args.tokens_per_iteration, args.warmup)
+        runs.append(curve)
+        s = summarize_run(curve, args.tokens_per_iteration, args.warmup)
         print(f"{path}: {s.iterations} iterations, lm loss first {s.first_loss:.4f} last {s.last_loss:.4f}, "
               f"median {s.median_ms:.1f} ms/iteration, {s.tokens_per_s:,.0f} tokens/s")
     count, worst, mean = compare_losses(runs[0], runs[1])

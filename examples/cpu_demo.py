@@ -39,7 +39,7 @@ def megatron_configs(dispatcher: str, ranks: int):
     from megatron.training.arguments import parse_args, validate_args
 
     from megatron_mok.megatron import settings_from_args
-    from megatron_mok.pretrain_gpt import expand_arg_files
+    from megatron_mok.megatron.arg_files import expand_arg_files
 
     sys.argv = ["cpu_demo"] + expand_arg_files([
         f"@{ROOT}/configs/tiny.args", f"@{ROOT}/configs/local_no_te.args",

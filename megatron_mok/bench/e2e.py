@@ -8,7 +8,7 @@ with the model and data flags of ``--args-file`` files and those given after ``-
     <dispatcher flags> --train-iters ITERS --log-interval 1 --eval-iters 0
     --eval-interval ITERS+1 [--log-throughput]
 
-and reads Megatron's training log (:mod:`megatron_mok.bench.megatron_log`). The first
+and reads Megatron's training log (:mod:`megatron_mok.megatron.training_log`). The first
 ``--skip-iters`` iterations are warm-up; the step time is the median of the rest.
 
     python -m megatron_mok.bench e2e --nproc-per-node 2 --dispatchers alltoall,mok \\
@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from . import report
-from .megatron_log import LogError, parse_iterations, parse_log, summarize
+from ..megatron.training_log import LogError, parse_iterations, parse_log, summarize
 from .machine import machine_info, set_safe_env, utc_now
 
 SCHEMA = "megatron-mok/bench-e2e/1"
@@ -112,8 +112,8 @@ def build_command(*, nproc: int, launcher: str, launcher_args: Sequence[str], di
     return ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
              "--master-addr", "127.0.0.1", "--master-port", str(port)]
             + launcher_command(launcher) + list(launcher_args) + dispatcher_flags(dispatcher)
-            # Megatron 0.19 divides by --eval-interval even with --eval-iters 0 (seen on H200,
-            # 2026-11-29: "int // NoneType" in get_train_valid_test_num_samples).
+            # Megatron 0.19 divides by --eval-interval even with --eval-iters 0 ("int // NoneType"
+            # in get_train_valid_test_num_samples).
             + ["--train-iters", str(iters), "--log-interval", "1", "--eval-iters", "0",
                "--eval-interval", str(iters + 1)]
             + (["--log-throughput"] if throughput else []))
@@ -130,7 +130,7 @@ def run_logged(cmd: Sequence[str], log_path: str, *, timeout_s: float, echo_all:
         log.write("$ " + shlex.join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                text=True, bufsize=1, start_new_session=True)
+                                text=True, bufsize=1, process_group=0)
         timer = _Deadline(proc, timeout_s)
         try:
             for line in proc.stdout:  # type: ignore[union-attr]
@@ -160,7 +160,7 @@ def _progress(line: str) -> Optional[str]:
 
 
 class _Deadline:
-    """Kills the process group of ``proc`` (started in its own session) after ``seconds``."""
+    """Kills the process group of ``proc`` (started in its own process group) after ``seconds``."""
 
     def __init__(self, proc: subprocess.Popen, seconds: float):
         import threading

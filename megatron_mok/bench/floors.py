@@ -1,4 +1,4 @@
-"""The floors: the least time a layer pass can take on a GPU whose
+"""The floors (docs/design.md, "Floors"): the least time a layer pass can take on a GPU whose
 GEMM rate, HBM bandwidth and NVLink bandwidth are known.
 
 For one rank r of the EP group, with T_r tokens, S_r used routes of its tokens, R_r routes

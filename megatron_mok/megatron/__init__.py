@@ -7,15 +7,32 @@
 * :class:`MoKLayerSettings`: backend, tunables and shared-expert fusion of the layer.
 * :class:`MoKTokenDispatcher`: Megatron's six-method dispatcher protocol on the MoK dataflow.
 
-See docs/megatron.md. Requires megatron-core 0.19.2.
+Modules, one job each (imports go one way: ``settings`` <- ``arguments`` <- ``layer`` <-
+``registration`` <- ``pretrain``):
+
+* ``settings``: :class:`MoKLayerSettings`; ``arguments``: the ``--mok-*`` flags and where a
+  layer finds its settings; ``validation``: settings MoK does not support, with reasons;
+  ``peers``: backend availability and the EP peer-access check;
+* ``routing``: router output to top-k ids/weights; ``experts``: the weights of Megatron's
+  expert modules; ``stacking``: those weights as zero-copy [L, ...] tensors;
+* ``layer``: :class:`MoKMoELayer`; ``dispatcher``: :class:`MoKTokenDispatcher`;
+  ``registration``: :func:`register`;
+* the launcher (``python -m megatron_mok.pretrain_gpt``): ``pretrain`` (entry and CPU path),
+  ``gpt_recipe`` (Megatron-LM's GPT batches, loss, datasets), ``arg_files`` (``@FILE``
+  arguments);
+* ``training_log``: reading Megatron's training log (benchmarks, log comparison);
+  ``cpu_compat``: Megatron's MoE code on a CPU (tests, CPU demo, the launcher without a GPU).
+
+Only this package and :mod:`megatron_mok.bench` import Megatron. See docs/megatron.md.
+Requires megatron-core 0.19.2.
 """
 
-from .arguments import add_mok_arguments, settings_from_args
+from .arguments import add_mok_arguments, settings_for, settings_from_args
 from .dispatcher import MoKTokenDispatcher
 from .layer import MOK_DISPATCHER_TYPE, MoKMoELayer
 from .peers import EPTopologyError
 from .registration import is_registered, register
-from .settings import MoKLayerSettings, settings_for
+from .settings import MoKLayerSettings
 from .validation import MoKUnsupportedError, check_supported, unsupported_settings
 
 __all__ = [

@@ -19,7 +19,7 @@ from unittest import mock
 
 import torch
 
-__all__ = ["cpu_device_patches"]
+__all__ = ["cpu_device_patches", "initialize_cpu_model_parallel"]
 
 
 class _CpuEvent:

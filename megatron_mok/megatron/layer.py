@@ -19,8 +19,8 @@ Forward, for hidden states [S, B, H] of this rank (T = S * B tokens):
 
 The expert module's per-expert parameters are moved into one [L, 2I, H] and one [L, H, I]
 buffer when the layer is built (and again after a ``.to()``/``.cuda()`` that gives them new
-storage), so step 4 reads them as views, without a copy, while they stay stacked; see
-:mod:`.experts` and :meth:`MoKMoELayer._expert_weights`.
+storage), so step 4 reads them through an alias of that storage, without a copy, while they
+stay stacked; see :mod:`.stacking` and :meth:`MoKMoELayer._expert_weights`.
 
 Megatron's staged methods (``preprocess``, ``dispatch``, ``routed_experts_compute``, ``combine``,
 ``postprocess``) keep working through :class:`~.dispatcher.MoKTokenDispatcher`.
@@ -39,20 +39,13 @@ from megatron.core.transformer.moe.moe_utils import MoECudaGraphTensorStore, get
 from megatron.core.typed_torch import not_none
 
 from ..functional import mok_moe
+from .arguments import settings_for
 from .dispatcher import MoKTokenDispatcher
-from .experts import (
-    REVERSED,
-    expert_layout,
-    local_expert_weights,
-    run_forward_pre_hooks,
-    shared_expert_weights,
-    stack_expert_storage,
-    zero_copy_enabled,
-    stack_experts,
-)
+from .experts import local_expert_weights, run_forward_pre_hooks, shared_expert_weights
 from .peers import check_ep_peer_access, gpu_backend_will_run
 from .routing import remap_for_fused_shared, reverse_local_expert_ids, routing_to_topk
-from .settings import MoKLayerSettings, settings_for
+from .settings import MoKLayerSettings
+from .stacking import REVERSED, expert_layout, stack_expert_storage, stack_experts
 from .validation import check_supported, warn_ignored_settings
 
 __all__ = ["MoKMoELayer", "MOK_DISPATCHER_TYPE"]
@@ -70,7 +63,7 @@ class MoKMoELayer(MoELayer):
     Built like ``MoELayer`` (same arguments, same submodules); ``MoELayer(config, ...)`` with
     ``config.moe_token_dispatcher_type == "mok"`` returns one once :func:`megatron_mok.register`
     has run. Its settings (backend, tunables, fused shared expert) come from
-    :func:`~.settings.settings_for`.
+    :func:`~.arguments.settings_for`.
 
     Raises (at construction):
         MoKUnsupportedError: the config asks for something MoK does not do (listed, with reasons).
@@ -184,8 +177,7 @@ class MoKMoELayer(MoELayer):
         every EP rank's layout allows it. Any other layout costs one ``torch.stack`` copy. The
         fused shared expert is its parameters themselves when it is one expert's size
         (``moe_shared_expert_intermediate_size`` = ``moe_ffn_hidden_size``: DeepSeek-V3,
-        Kimi-K2), else a copy of its n expert-sized slices. ``MOK_ZERO_COPY_EXPERT_WEIGHTS=0``
-        stacks everything into one tensor instead (a copy).
+        Kimi-K2), else a copy of its n expert-sized slices.
         """
         # The expert modules' forward is never called: run their forward pre-hooks (Megatron's
         # DDP waits for their parameters' all-gather there with --overlap-param-gather).
@@ -196,8 +188,6 @@ class MoKMoELayer(MoELayer):
         sh1, sh2 = ([], [])
         if self.fused_shared:
             sh1, sh2 = shared_expert_weights(self.shared_experts, self.config.moe_ffn_hidden_size)
-        if not zero_copy_enabled():
-            return torch.stack(fc1 + sh1), torch.stack(fc2 + sh2), len(sh1), False
         layout1, layout2 = expert_layout(fc1), expert_layout(fc2)
         reverse = self._reversed_expert_order(layout1, layout2, fc1[0].device)
         routed1, routed2 = stack_experts(fc1, layout1, reverse), stack_experts(fc2, layout2, reverse)

@@ -18,7 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..functional.backends import BackendUnavailable, gpu_backend_blocker
+from ..functional.backends import BackendUnavailable, gpu_unavailable_reason
 
 __all__ = ["EPTopologyError", "gpu_backend_will_run", "check_ep_peer_access", "peer_access_problem"]
 
@@ -37,8 +37,7 @@ def gpu_backend_will_run(backend: str) -> bool:
         if backend in ("cuda", "megakernel"):
             raise BackendUnavailable(f"--mok-backend {backend} needs a CUDA GPU; none is available")
         return False
-    probe = torch.empty(0, dtype=torch.bfloat16, device=torch.device("cuda", torch.cuda.current_device()))
-    reason = gpu_backend_blocker(probe)
+    reason = gpu_unavailable_reason(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
     if reason is None:
         return True
     if backend in ("cuda", "megakernel"):

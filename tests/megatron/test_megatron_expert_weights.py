@@ -1,16 +1,15 @@
 """Expert weights reach ``mok_moe`` without a copy when they lie stacked in memory.
 
 The MoK layer moves each expert module's per-expert parameters into one [L, 2I, H] and one
-[L, H, I] buffer when it is built (``experts.stack_expert_storage``); every forward checks the
-layout from pointers and strides (``expert_layout``) and passes a view of that storage
+[L, H, I] buffer when it is built (``stacking.stack_expert_storage``); every forward checks the
+layout from pointers and strides (``expert_layout``) and passes an alias of that storage
 (``stack_experts``), falling back to ``torch.stack`` for any other layout. These tests check
-that the view shares storage with the parameters, that gradients equal those of the
-``torch.stack`` path (SequentialMLP through the whole layer, a grouped ``weight{i}`` layout
-through ``mok_moe``), the fallbacks, the reverse order Megatron's distributed optimizer
-produces, and that parameters keep their names, values and attributes.
+that the alias shares storage with the parameters, that outputs and gradients equal those of
+copied weights (SequentialMLP through the whole layer and Megatron's training step, a grouped
+``weight{i}`` layout through ``mok_moe``), the fallbacks, the reverse order Megatron's
+distributed optimizer produces, and that parameters keep their names, values and attributes.
 """
 
-import os
 from types import SimpleNamespace
 from unittest import mock
 
@@ -18,13 +17,11 @@ import pytest
 import torch
 
 from megatron_mok.functional import mok_moe
-from megatron_mok.megatron.experts import (
-    ZERO_COPY_ENV,
-    zero_copy_enabled,
+from megatron_mok.megatron.experts import local_expert_weights
+from megatron_mok.megatron.stacking import (
     FORWARD,
     REVERSED,
     expert_layout,
-    local_expert_weights,
     stack_expert_storage,
     stack_experts,
     stack_parameter_storage,
@@ -36,14 +33,6 @@ from tests.megatron.megatron_utils import (
 )
 
 L, I, H, T, K = 4, 8, 16, 12, 2
-
-
-@pytest.fixture(autouse=True)
-def zero_copy_on(monkeypatch):
-    """These tests check the zero-copy path (on unless MOK_ZERO_COPY_EXPERT_WEIGHTS=0)."""
-    monkeypatch.setenv(ZERO_COPY_ENV, "1")
-
-
 
 
 def _params(n=L, shape=(2 * I, H), seed=0):
@@ -121,13 +110,14 @@ class _SavesWeightsLikeTheGpuBackends(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx):
-        ctx.saved_tensors  # noqa: B018 (where GPU training failed before the fix)
+        ctx.saved_tensors  # noqa: B018 (where a view's version mismatch would raise)
         return dx, None, None
 
 
 def test_alias_survives_ops_that_declare_their_inputs_mutated():
-    """The GPU failure in miniature: the stacked weights go through an op whose schema marks
-    them mutable (the version counter is bumped) and are then saved for backward."""
+    """What the megakernel backend does to its weights, in miniature: the stacked weights go
+    through an op whose schema marks them mutable (the version counter is bumped) and are then
+    saved for backward. An autograd view of the parameters would raise in the backward."""
     w1, w2 = _params(), _params(shape=(H, I), seed=1)
     stack_parameter_storage(w1)
     stack_parameter_storage(w2)
@@ -309,7 +299,7 @@ def _expert_lists(layer):
 
 
 def _scatter(layer):
-    """Give every expert parameter its own storage (the layout before this change)."""
+    """Give every expert parameter its own storage (a layout the layer can only copy)."""
     for w in sum(_expert_lists(layer), []):
         w.data = w.data.clone()
 
@@ -331,6 +321,24 @@ def _recording_mok_moe(calls):
     def wrapper(x, topk_ids, topk_weights, fc1, fc2, **kwargs):
         calls.append((fc1, fc2, topk_ids))
         return real(x, topk_ids, topk_weights, fc1, fc2, **kwargs)
+
+    return mock.patch.object(layer_module, "mok_moe", wrapper)
+
+
+def _copied(weights):
+    """One [n, ...] copy of a weight tensor or of a tuple of weight segments (differentiable)."""
+    return torch.cat(list(weights) if isinstance(weights, tuple) else [weights])
+
+
+def _copying_mok_moe():
+    """The reference for zero-copy: ``mok_moe`` handed one copy of all the layer's weights,
+    segments concatenated, instead of the aliases and segments the layer passes."""
+    import megatron_mok.megatron.layer as layer_module
+
+    real = layer_module.mok_moe
+
+    def wrapper(x, topk_ids, topk_weights, fc1, fc2, **kwargs):
+        return real(x, topk_ids, topk_weights, _copied(fc1), _copied(fc2), **kwargs)
 
     return mock.patch.object(layer_module, "mok_moe", wrapper)
 
@@ -398,8 +406,8 @@ def test_layer_passes_views_of_the_parameters_and_gradients_match(world, variant
 
 def _fused_shared_zero_copy(rank, world, variant):
     """The fused shared expert of one expert's size goes to mok_moe as a second weight segment
-    that IS its parameters (no copy), beside the routed experts' view; the loss and every
-    gradient equal those of the same model with the weights stacked (a copy)."""
+    that IS its parameters (no copy), beside the routed experts' alias; the loss and every
+    gradient equal those of the same model with all weights copied into one tensor."""
     import megatron_mok
 
     from megatron_mok.megatron import MoKLayerSettings
@@ -413,7 +421,7 @@ def _fused_shared_zero_copy(rank, world, variant):
     if variant == "reversed":
         for layer in layers:
             _reverse(layer)
-    with mock.patch.dict(os.environ, {ZERO_COPY_ENV: "0"}):
+    with _copying_mok_moe():
         want_loss, want_grads = loss_and_grads(model, rank)
     calls = []
     with _recording_mok_moe(calls):
@@ -452,29 +460,6 @@ def _conversions(rank, world):
     model.double()  # new tensor per parameter: stacked again
     assert [w.dtype for w in sum(_expert_lists(layer), [])] == [torch.float64] * 8
     assert [expert_layout(ws) for ws in _expert_lists(layer)] == [FORWARD, FORWARD]
-
-
-def _copies_when_off(rank, world):
-    import megatron_mok
-
-    assert not zero_copy_enabled()
-    megatron_mok.register()
-    model = build_gpt(tiny_config("mok", world, mok_settings=_settings()), seed=8)
-    layer = moe_layers(model)[0][1]
-    fc1, fc2, _, reverse = layer._expert_weights()
-    params1, params2 = _expert_lists(layer)
-    assert not reverse
-    assert fc1.data_ptr() not in [w.data_ptr() for w in params1]  # a copy, not a view
-    assert torch.equal(fc1[: len(params1)], torch.stack(params1))
-    assert torch.equal(fc2[: len(params2)], torch.stack(params2))
-
-
-def test_zero_copy_is_on_by_default_and_off_copies(monkeypatch):
-    monkeypatch.delenv(ZERO_COPY_ENV, raising=False)
-    assert zero_copy_enabled()
-    monkeypatch.setenv(ZERO_COPY_ENV, "0")
-    assert not zero_copy_enabled()
-    megatron_ranks(_copies_when_off, 1)
 
 
 def test_dtype_conversion_restacks_the_expert_parameters():
@@ -537,32 +522,31 @@ def test_megatron_ddp_layouts():
 
 
 # ----------------------------------------------------------------------------------------------
-# Megatron's training step sequence (the setting in which GPU training failed).
+# Megatron's training step sequence, with the weights treated as the megakernel backend treats them.
 
 
 def _megatron_training(rank, world):
     """Two iterations of Megatron's training step (bf16 Float16Module, DDP without the
     distributed optimizer, Megatron's optimizer, forward_backward_no_pipelining with two
-    microbatches, finalize_model_grads), zero-copy off and on. The expert weights reach the
-    reference backend through _SavesWeightsLikeTheGpuBackends, which treats them the way the
-    megakernel backend does (an op declared mutates_args="unknown", then save_for_backward);
-    with autograd views this raised in the first backward, as on the GPUs."""
-    import os
-
+    microbatches, finalize_model_grads), with the weights copied and with zero-copy. The expert
+    weights reach the reference backend through _SavesWeightsLikeTheGpuBackends, which treats
+    them the way the megakernel backend does (an op declared mutates_args="unknown", then
+    save_for_backward); an autograd view of the parameters would raise in the first backward."""
     import megatron_mok
     import megatron_mok.megatron.layer as layer_module
 
     megatron_mok.register()
     real = layer_module.mok_moe
     results = {}
-    for zero_copy in ("0", "1"):
-        os.environ[ZERO_COPY_ENV] = zero_copy
+    for zero_copy in (False, True):
         config = tiny_config("mok", world, mok_settings=_settings(), bf16=True, params_dtype=torch.bfloat16)
         model = build_gpt(config, seed=5)
         layers = [m for _, m in moe_layers(model)]
         calls = []
 
         def gpu_like(x, topk_ids, topk_weights, fc1, fc2, **kwargs):
+            if not zero_copy:
+                fc1, fc2 = _copied(fc1), _copied(fc2)
             calls.append((fc1.data_ptr(), fc2.data_ptr()))
             x = _SavesWeightsLikeTheGpuBackends.apply(x, fc1, fc2)
             return real(x, topk_ids, topk_weights, fc1, fc2, **kwargs)
@@ -570,12 +554,12 @@ def _megatron_training(rank, world):
         with mock.patch.object(layer_module, "mok_moe", gpu_like):
             results[zero_copy] = megatron_train_steps(model, config, rank, iterations=2, microbatches=2)
         # 2 iterations x 2 microbatches x every MoE layer; zero-copy passes the parameters'
-        # own memory (after Float16Module and DDP wrapped the model), the default a copy.
+        # own memory (after Float16Module and DDP wrapped the model), the reference a copy.
         assert len(calls) == 4 * len(layers)
         firsts = [(w1[0].data_ptr(), w2[0].data_ptr()) for w1, w2 in map(_expert_lists, layers)]
         for i, ptrs in enumerate(calls):
-            assert (ptrs == firsts[i % len(layers)]) == (zero_copy == "1")
-    (want, want_params), (got, got_params) = results["0"], results["1"]
+            assert (ptrs == firsts[i % len(layers)]) == zero_copy
+    (want, want_params), (got, got_params) = results[False], results[True]
     for (want_losses, want_grads), (got_losses, got_grads) in zip(want, got):
         assert torch.equal(got_losses, want_losses)
         assert got_grads.keys() == want_grads.keys()

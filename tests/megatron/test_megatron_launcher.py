@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from megatron_mok.pretrain_gpt import expand_arg_files, read_config_metadata
+from megatron_mok.megatron.arg_files import expand_arg_files, read_config_metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -96,18 +96,20 @@ def test_launcher_on_cpu_builds_the_deepseek_proxy_on_the_meta_device():
 
 
 def test_training_log_parser_and_comparison():
-    from megatron_mok.megatron.training_log import compare_losses, parse_training_log, summarize
+    from megatron_mok.megatron.training_log import compare_losses, losses, parse_log, summarize_run
 
     def line(i, loss, ms):
         return (f" [2026-11-29 20:00:00.000000] iteration {i:8d}/{4:8d} | consumed samples: {i:12d} | "
                 f"elapsed time per iteration (ms): {ms:.1f} | learning rate: 1.000000E-04 | global batch size:"
                 f"     1 | lm loss: {loss:.6E} | mtp_1 loss: 9.000000E+00 | loss scale: 1.0 |")
 
-    a = parse_training_log("\n".join([line(1, 10.0, 900.0), "noise", line(2, 9.0, 100.0), line(3, 8.0, 110.0),
-                                       line(4, 7.0, 120.0)]))
-    b = parse_training_log("\n".join([line(1, 10.1, 50.0), line(2, 9.0, 50.0), line(4, 7.0, 50.0)]))
+    no_loss = line(5, 1.0, 50.0).replace("lm loss", "other loss")
+    a = losses(parse_log("\n".join([line(1, 10.0, 900.0), "noise", line(2, 9.0, 100.0), line(3, 8.0, 110.0),
+                                     line(4, 7.0, 120.0), no_loss]))[1])
+    b = losses(parse_log("\n".join([line(1, 10.1, 50.0), line(2, 9.0, 50.0), line(4, 7.0, 50.0)]))[1])
     assert [e.iteration for e in a] == [1, 2, 3, 4] and a[0].lm_loss == 10.0 and a[0].elapsed_ms == 900.0
-    s = summarize(a, tokens_per_iteration=4096, warmup=1)
+    assert a[0].global_batch_size == 1
+    s = summarize_run(a, tokens_per_iteration=4096, warmup=1)
     assert (s.first_loss, s.last_loss, s.median_ms) == (10.0, 7.0, 110.0)
     assert abs(s.tokens_per_s - 4096 / 0.110) < 1e-6
     count, worst, mean = compare_losses(a, b)
@@ -115,10 +117,10 @@ def test_training_log_parser_and_comparison():
 
 
 def test_loss_curve_verdict_early_points_and_window_means():
-    from megatron_mok.megatron.training_log import IterationLog, compare_curves
+    from megatron_mok.megatron.training_log import Iteration, compare_curves
 
     def run(losses):
-        return [IterationLog(i + 1, loss, 100.0) for i, loss in enumerate(losses)]
+        return [Iteration(i + 1, 100.0, lm_loss=loss) for i, loss in enumerate(losses)]
 
     base = [10.0 / (i + 1) for i in range(10)] + [0.05, 0.8, 0.1, 0.05, 0.4, 0.06, 0.07, 0.5, 0.05, 0.09]
     # Late, small losses that decorrelate (each point off by up to 100%) but keep their mean.

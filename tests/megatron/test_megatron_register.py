@@ -40,6 +40,7 @@ def test_register_is_idempotent_and_extends_the_dispatcher_choices():
 
 def test_flag_and_tunables_parse(monkeypatch):
     import megatron_mok
+    from megatron_mok import MegakernelTunables
     from megatron_mok.megatron import settings_from_args
 
     megatron_mok.register()
@@ -47,17 +48,19 @@ def test_flag_and_tunables_parse(monkeypatch):
                                 "--mok-comm-sms", "6", "--mok-comm-sms-backward", "10",
                                 "--mok-minibatch-rows", "256", "--mok-ring-rows", "1024",
                                 "--mok-timeout-s", "5", "--mok-max-tokens-per-rank", "8192",
-                                "--mok-fuse-shared-expert", "--mok-megakernel-pairs", "off"])
+                                "--mok-fuse-shared-expert", "--mok-megakernel-pairs", "off",
+                                "--mok-megakernel-group-blocks", "16"])
     assert args.moe_token_dispatcher_type == "mok"
     settings = settings_from_args(args)
     assert settings.backend == "reference" and settings.fuse_shared_expert
     cfg = settings.config
     assert (cfg.comm_sms_forward, cfg.comm_sms_backward) == (6, 10)
     assert (cfg.minibatch_rows, cfg.ring_rows, cfg.timeout_s, cfg.max_tokens_per_rank) == (256, 1024, 5.0, 8192)
-    assert cfg.megakernel_pairs is False
+    assert cfg.megakernel == MegakernelTunables(pairs=False, group_blocks=16)
     defaults = settings_from_args(_parse(monkeypatch, ["--moe-token-dispatcher-type", "mok"]))
     assert defaults.backend == "auto" and defaults.config.minibatch_rows is None
-    assert defaults.config.megakernel_pairs is None
+    assert defaults.config.megakernel == MegakernelTunables()
+    assert settings_from_args(_parse(monkeypatch, ["--mok-megakernel-pairs", "on"])).config.megakernel.pairs is True
     assert not defaults.fuse_shared_expert
 
 
@@ -73,15 +76,19 @@ def test_parser_still_rejects_unknown_dispatchers_and_backends(monkeypatch, caps
     assert "invalid choice: 'triton'" in capsys.readouterr().err
 
 
-def test_validate_args_rejects_a_bad_tunable(monkeypatch):
+@pytest.mark.parametrize("flags,message", [
+    (["--mok-minibatch-rows", "100"], r"minibatch_rows=100 must be a multiple of tile_rows=128"),
+    (["--mok-megakernel-group-blocks", "3"], r"group_blocks=3 must be None \(the library's default\) or an even"),
+])
+def test_validate_args_rejects_a_bad_tunable(monkeypatch, flags, message):
     import megatron_mok
     from megatron.training.arguments import validate_args
 
     from megatron_mok import MoKConfigError
 
     megatron_mok.register()
-    args = _parse(monkeypatch, ["--moe-token-dispatcher-type", "mok", "--mok-minibatch-rows", "100"])
-    with pytest.raises(MoKConfigError, match=r"minibatch_rows=100 must be a multiple of tile_rows=128"):
+    args = _parse(monkeypatch, ["--moe-token-dispatcher-type", "mok"] + flags)
+    with pytest.raises(MoKConfigError, match=message):
         validate_args(args, {})
 
 
@@ -154,7 +161,8 @@ def test_transformer_engine_spec_gives_the_mok_layer():
 def test_expert_weights_of_sequential_and_grouped_layouts():
     from types import SimpleNamespace
 
-    from megatron_mok.megatron.experts import local_expert_weights, shared_expert_weights, stacked
+    from megatron_mok.megatron.experts import local_expert_weights, shared_expert_weights
+    from megatron_mok.megatron.stacking import stacked
 
     w1 = [torch.full((4, 3), float(i)) for i in range(2)]
     w2 = [torch.full((3, 2), float(10 + i)) for i in range(2)]
