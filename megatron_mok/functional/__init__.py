@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ..config import MegakernelTunables, MoKConfig, MoKConfigError
-from .agreement import MoKMismatchError, agree, call_signature
+from .agreement import MoKMismatchError, agree_on_call
 from .backends import BackendUnavailable, CallSpec, select_backend
 from .groups import EPGroup, LocalEPGroup, LocalEPRank, check_ep_group, group_size_rank
 from .validate import MoKInputError, check_backend_name, check_inputs, weight_segments
@@ -86,6 +86,6 @@ def mok_moe(
     config.check_experts(ep_size, shape.experts_per_rank)
     spec = CallSpec(shape=shape, config=config, ep_group=ep_group, ep_size=ep_size, device=x.device, dtype=x.dtype)
     chosen = select_backend(backend, spec)
-    agree(ep_group, call_signature(config, shape, x.dtype, chosen.name))
+    agree_on_call(ep_group, config, shape, x.dtype, chosen.name)
     fc1s, fc2s = weight_segments("fc1_weight", fc1_weight), weight_segments("fc2_weight", fc2_weight)
     return chosen.run(spec, x, topk_ids, topk_weights, fc1s, fc2s)

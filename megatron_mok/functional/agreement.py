@@ -12,6 +12,7 @@ compares it with every other rank's; later calls with the same signature cost a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, List, Set, Tuple
 
 import torch
@@ -28,11 +29,22 @@ class MoKMismatchError(MoKConfigError):
     """The ranks of an EP group called MoK with different settings; raised on every rank."""
 
 
-def call_signature(config: MoKConfig, shape: MoEShape, dtype: torch.dtype, backend: str) -> Tuple[Tuple[str, str], ...]:
+def agree_on_call(ep_group: EPGroup, config: MoKConfig, shape: MoEShape, dtype: torch.dtype, backend: str) -> None:
+    """:func:`agree` on the signature of a call (:func:`call_signature`); nothing for P = 1."""
+    if ep_group is None:
+        return
+    agree(ep_group, call_signature(config, shape.hidden, shape.topk, shape.experts_per_rank, shape.ffn_hidden,
+                                   dtype, backend))
+
+
+@functools.lru_cache(maxsize=256)
+def call_signature(config: MoKConfig, hidden: int, topk: int, experts_per_rank: int, ffn_hidden: int,
+                   dtype: torch.dtype, backend: str) -> Tuple[Tuple[str, str], ...]:
     """The settings every rank of the EP group must share for a call, as (field, value) pairs:
     every field of ``config`` (``megakernel.*`` for the nested tunables), H, K, experts per rank,
     I, the tokens' dtype and the backend. The token count is not part of it: it may differ
-    between ranks (the workspace capacity is agreed separately)."""
+    between ranks (the workspace capacity is agreed separately). Cached: every layer asks on
+    every call."""
     fields: List[Tuple[str, str]] = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
@@ -40,8 +52,8 @@ def call_signature(config: MoKConfig, shape: MoEShape, dtype: torch.dtype, backe
             fields += [(f"{f.name}.{g.name}", repr(getattr(value, g.name))) for g in dataclasses.fields(value)]
         else:
             fields.append((f.name, repr(value)))
-    fields += [("hidden size H", repr(shape.hidden)), ("top-k K", repr(shape.topk)),
-               ("experts per rank", repr(shape.experts_per_rank)), ("expert FFN size I", repr(shape.ffn_hidden)),
+    fields += [("hidden size H", repr(hidden)), ("top-k K", repr(topk)),
+               ("experts per rank", repr(experts_per_rank)), ("expert FFN size I", repr(ffn_hidden)),
                ("dtype", str(dtype)), ("backend", backend)]
     return tuple(fields)
 
@@ -52,7 +64,7 @@ def agree(ep_group: EPGroup, signature: Tuple[Tuple[str, str], ...]) -> None:
     On a process group this is collective at the first call of each signature (an
     ``all_gather_object``): every rank must reach it, as every rank runs the same MoE layers in
     the same order. Virtual ranks (:class:`LocalEPRank`) compare with the ranks of their group
-    that called before them.
+    that made the same call (their n-th) before them.
 
     Raises:
         MoKMismatchError: on every rank of a process group (on the calling virtual rank), naming
@@ -61,11 +73,18 @@ def agree(ep_group: EPGroup, signature: Tuple[Tuple[str, str], ...]) -> None:
     if ep_group is None:
         return
     if isinstance(ep_group, LocalEPRank):
-        seen: Dict[int, tuple] = ep_group.group.signatures
-        for other, theirs in seen.items():
-            if other != ep_group.rank and theirs != signature:
-                _raise_mismatch(ep_group, {other: theirs, ep_group.rank: signature})
-        seen[ep_group.rank] = signature
+        # The ranks' calls are issued one rank after another: rank r's n-th call is compared with
+        # the n-th call of the ranks that made it already (kept until every rank has).
+        group, rank = ep_group.group, ep_group.rank
+        n = group.calls[rank]
+        by_rank: Dict[int, tuple] = group.signatures.setdefault(n, {})
+        for other, theirs in by_rank.items():
+            if theirs != signature:
+                _raise_mismatch(ep_group, {other: theirs, rank: signature})
+        by_rank[rank] = signature
+        group.calls[rank] = n + 1
+        if len(by_rank) == group.size:
+            del group.signatures[n]
         return
     key = (ep_group.group_name, signature)
     if key in _agreed:

@@ -27,9 +27,9 @@ concatenated first (:func:`weight_arguments`).
 
 from __future__ import annotations
 
-import weakref
+import functools
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -71,10 +71,9 @@ def hopper_gemms_apply(shape: MoEShape, tile_rows: int) -> bool:
 @dataclass(frozen=True)
 class ExpertCall:
     """How one rank runs the expert FFN and its communication for one (config, shape): the
-    workspace, the schedule's segment padding, the timeout, E and the GEMM family. Built once
-    per (workspace, config, shape) and cached by the backend that uses it."""
+    schedule's segment padding, the timeout, E and the GEMM family. Built once per (config,
+    shape) (:func:`expert_call`); it holds no buffer, so caching it keeps nothing alive."""
 
-    ws: Workspace
     segment_rows: int
     timeout_s: float
     num_experts: int
@@ -199,9 +198,9 @@ def expert_backward(call: ExpertCall, d_out, x_disp, w_disp, ab, fc1, fc2, offse
     return dx_rows, dw_rows, d_fc1, d_fc2, d_fc1_2, d_fc2_2
 
 
-def moe_backward(call: ExpertCall, dy: torch.Tensor, saved, tokens: int):
-    """The layer backward shared by the ``cuda`` and ``megakernel`` backends, on what their
-    forward saved: ``saved`` = (topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts,
+def moe_backward(ws: Workspace, call: ExpertCall, dy: torch.Tensor, saved, tokens: int):
+    """The layer backward shared by the ``cuda`` and ``megakernel`` backends, on workspace
+    ``ws`` and what their forward saved: ``saved`` = (topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts,
     fc1_2, fc2_2). Publishes dy bf16 [T, H], pulls it to the experts' ranks (reverse combine),
     runs :func:`expert_backward` and pushes dX and the router-weight gradient home (reverse
     dispatch), then sums the K slots of each token in a fixed order.
@@ -210,7 +209,6 @@ def moe_backward(call: ExpertCall, dy: torch.Tensor, saved, tokens: int):
         (dx bf16 [T, H], d topk_weights fp32 [T, K], d_fc1, d_fc2, d_fc1_2, d_fc2_2).
     """
     topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts, fc1_2, fc2_2 = saved
-    ws = call.ws
     ws.raise_if_failed(call.timeout_s)
     K, H = ws.layout.topk, ws.layout.hidden
     capacity = table.shape[0]
@@ -230,8 +228,7 @@ class _CudaMoE(torch.autograd.Function):
     """fc1_2 / fc2_2: None, or the second weight segment (local experts L1 ..), read in place."""
 
     @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, call: ExpertCall, fc1_2=None, fc2_2=None):
-        ws = call.ws
+    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, ws: Workspace, call: ExpertCall, fc1_2=None, fc2_2=None):
         ws.raise_if_failed(call.timeout_s)
         T, K = topk_ids.shape
         H = x.shape[1]
@@ -246,15 +243,14 @@ class _CudaMoE(torch.autograd.Function):
         # The workspace is shared by every layer: keep what the backward needs outside it.
         ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts, fc1_2, fc2_2)
         ws.mirror_status()
-        ctx.call = call
-        ctx.tokens = T
+        ctx.ws, ctx.call, ctx.tokens = ws, call, T
         return y
 
     @staticmethod
     @once_differentiable  # a second derivative through MoK raises instead of being dropped
     def backward(ctx, dy):
-        dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = moe_backward(ctx.call, dy, ctx.saved_tensors, ctx.tokens)
-        return dx, None, dw, d_fc1, d_fc2, None, d_fc1_2, d_fc2_2
+        dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = moe_backward(ctx.ws, ctx.call, dy, ctx.saved_tensors, ctx.tokens)
+        return dx, None, dw, d_fc1, d_fc2, None, None, d_fc1_2, d_fc2_2
 
 
 def weight_arguments(fc1s, fc2s, call: ExpertCall):
@@ -270,19 +266,12 @@ def weight_arguments(fc1s, fc2s, call: ExpertCall):
     return torch.cat(fc1s), torch.cat(fc2s), None, None
 
 
-_calls: "weakref.WeakKeyDictionary[Workspace, Dict[tuple, ExpertCall]]" = weakref.WeakKeyDictionary()
-
-
-def expert_call(ws: Workspace, config: MoKConfig, shape: MoEShape, ep_size: int, segment_rows: int) -> ExpertCall:
-    """The :class:`ExpertCall` of workspace ``ws`` for this config and shape (built once)."""
-    per_ws = _calls.setdefault(ws, {})
-    key = (config, shape.hidden, shape.topk, shape.experts_per_rank, shape.ffn_hidden, segment_rows)
-    call = per_ws.get(key)
-    if call is None:
-        call = per_ws[key] = ExpertCall(ws=ws, segment_rows=segment_rows, timeout_s=float(config.timeout_s),
-                                        num_experts=ep_size * shape.experts_per_rank,
-                                        hopper_gemms=hopper_gemms_apply(shape, segment_rows))
-    return call
+@functools.lru_cache(maxsize=256)
+def expert_call(config: MoKConfig, shape: MoEShape, ep_size: int, segment_rows: int) -> ExpertCall:
+    """The :class:`ExpertCall` for this config and shape (cached: every layer of a model asks on
+    every call)."""
+    return ExpertCall(segment_rows=segment_rows, timeout_s=float(config.timeout_s),
+                      num_experts=ep_size * shape.experts_per_rank, hopper_gemms=hopper_gemms_apply(shape, segment_rows))
 
 
 class CudaBackend:
@@ -302,7 +291,7 @@ class CudaBackend:
         ws.timeout_s = float(config.timeout_s)
         # Segments padded to the GEMM tile: torch._grouped_mm tiles each group in 128-row blocks
         # anyway, and measured no faster with 8-row segments.
-        call = expert_call(ws, config, shape, spec.ep_size, config.tile_rows)
+        call = expert_call(config, shape, spec.ep_size, config.tile_rows)
         fc1, fc2, fc1_2, fc2_2 = weight_arguments(fc1s, fc2s, call)
-        return _CudaMoE.apply(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), fc1, fc2, call,
+        return _CudaMoE.apply(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), fc1, fc2, ws, call,
                               fc1_2, fc2_2)

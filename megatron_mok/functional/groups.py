@@ -36,8 +36,9 @@ class LocalEPGroup:
         self.ranks = [LocalEPRank(self, r) for r in range(size)]
         # Shared by the ranks: every rank's workspace of one shape is created together.
         self.shared_workspaces: dict = {}
-        # Each rank's last call signature (agreement.agree): later ranks compare with it.
+        # Call signatures by call index, until every rank has made that call (agreement.agree).
         self.signatures: dict = {}
+        self.calls = [0] * size
 
     def __getitem__(self, rank: int) -> "LocalEPRank":
         return self.ranks[rank]

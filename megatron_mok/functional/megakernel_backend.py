@@ -243,14 +243,13 @@ class _MegakernelMoE(torch.autograd.Function):
         y, saved = _run_forward(x, topk_ids, topk_weights, fc1, fc2, ws, launch, fc1_2, fc2_2, training)
         if training:
             ctx.save_for_backward(*saved)
-            ctx.call = launch.expert_call
-            ctx.tokens = x.shape[0]
+            ctx.ws, ctx.call, ctx.tokens = ws, launch.expert_call, x.shape[0]
         return y
 
     @staticmethod
     @once_differentiable  # a second derivative through MoK raises instead of being dropped
     def backward(ctx, dy):
-        dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = cuda_backend.moe_backward(ctx.call, dy, ctx.saved_tensors,
+        dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = cuda_backend.moe_backward(ctx.ws, ctx.call, dy, ctx.saved_tensors,
                                                                            ctx.tokens)
         return dx, None, dw, d_fc1, d_fc2, None, None, d_fc1_2, d_fc2_2
 
@@ -276,7 +275,7 @@ def _prepared_launch(ws: Workspace, spec: CallSpec) -> Tuple[_Launch, bool]:
     launch = _Launch(ring=get_ring(ws, resolved.ring_rows, shape.ffn_hidden), config=resolved,
                      num_ctas=share if isinstance(spec.ep_group, LocalEPRank) else 0,
                      comm_ctas_no_grad=config.forward_comm_sms(resolved, saves_activations=False),
-                     expert_call=cuda_backend.expert_call(ws, config, shape, spec.ep_size, block_rows))
+                     expert_call=cuda_backend.expert_call(config, shape, spec.ep_size, block_rows))
     return launch, True
 
 
