@@ -29,10 +29,9 @@ def _entry(rank, fn, world_size, port, backend, args):
         dist.barrier()  # every rank done before any tears its group down
     finally:
         dist.destroy_process_group()
-    # A rank that passed leaves without the interpreter's exit: twice in CI (fourteenth and
-    # fifteenth sessions, test_reference_p2_matches_dense and test_reference_gradcheck_p2) a
-    # gloo rank whose work and teardown had passed aborted at exit ("terminate called without
-    # an active exception": a C++ thread still joinable when static objects are destroyed).
+    # A rank that passed leaves without the interpreter's exit: a gloo rank whose work and
+    # teardown had passed can abort at exit ("terminate called without an active exception": a
+    # C++ thread still joinable when static objects are destroyed; seen in CI twice).
     # A failure above still raises, and spawn reports it with its traceback.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -395,9 +395,8 @@ def test_fc2(cfg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", [128, 64])
 def test_fc1_preact_is_the_fused_kernels_pre_activation(tile):
-    """fc1_preact (the plain row GEMM on fc1's weight: the cuda backend's fc1 with
-    MOK_CUDA_SWIGLU=separate) gives x W1^T: against float64, and bitwise the gu the fused
-    fc1 + SwiGLU kernel saves (same K order per element)."""
+    """fc1_preact (the plain row GEMM on fc1's weight) gives x W1^T: against float64, and bitwise
+    the gu the fused fc1 + SwiGLU kernel saves (same K order per element)."""
     seed = _seed()
     lay = Layout(SMALL, tile)
     H, I = 1024, 512
