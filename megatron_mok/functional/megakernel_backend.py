@@ -36,6 +36,8 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import logging
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -50,6 +52,11 @@ from .backend import CallSpec, gpu_unavailable_reason
 from .groups import EPGroup, LocalEPRank, group_size_rank
 from .validate import MoEShape
 from .workspace import Workspace, get_workspace
+
+log = logging.getLogger("megatron_mok")
+
+PRINT_CONFIG_ENV = "MOK_PRINT_CONFIG"
+"""Debug switch: "1" logs every resolved launch configuration once (it changes nothing else)."""
 
 _trace_sink: "contextvars.ContextVar[Optional[List[dict]]]" = contextvars.ContextVar("mok_megakernel_trace",
                                                                                        default=None)
@@ -276,6 +283,10 @@ def _prepared_launch(ws: Workspace, spec: CallSpec) -> Tuple[_Launch, bool]:
                      num_ctas=share if isinstance(spec.ep_group, LocalEPRank) else 0,
                      comm_ctas_no_grad=config.forward_comm_sms(resolved, saves_activations=False),
                      expert_call=cuda_backend.expert_call(config, shape, spec.ep_size, block_rows))
+    if os.environ.get(PRINT_CONFIG_ENV) == "1":
+        log.warning("megatron-mok: megakernel launch for %s on EP rank %d of %d: %s, %d CTAs (0: every SM), "
+                    "%d comm CTAs without grad", shape, ws.rank, spec.ep_size, resolved, launch.num_ctas,
+                    launch.comm_ctas_no_grad)
     return launch, True
 
 
