@@ -36,6 +36,7 @@ COMM_SMS_WEIGHT_BOUND = 6
 # slower; 6 at 6 per GPU, level with 4).
 COMM_SMS_FEWER_WITHOUT_GRAD = 2
 H200_NUM_SMS = 132
+MAX_TOKENS_PER_RANK = 2 ** 31 - 1
 
 
 class MoKConfigError(ValueError):
@@ -106,7 +107,9 @@ class MoKConfig:
 
     timeout_s: float = 60.0
     """Seconds a rank waits for a peer (barrier, flag, ring slot) before it reports an error
-    naming the peer. Positive."""
+    naming the peer and the place. Positive. Every backend honours it: the GPU backends' waits on
+    the device, and on the host the reference backend's rendezvous at each cross-rank step and
+    every backend's settings exchange and workspace creation (docs/contract.md, "Errors")."""
 
     max_tokens_per_rank: Optional[int] = None
     """Capacity of the communication workspace in tokens per rank. ``None``: agreed by all
@@ -126,6 +129,10 @@ class MoKConfig:
         _check_optional_int(self, "minibatch_rows", minimum=1)
         _check_optional_int(self, "ring_rows", minimum=1)
         _check_optional_int(self, "max_tokens_per_rank", minimum=1)
+        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank > MAX_TOKENS_PER_RANK:
+            raise MoKConfigError(
+                f"MoKConfig.max_tokens_per_rank={self.max_tokens_per_rank} is above {MAX_TOKENS_PER_RANK}: the "
+                "kernels count a rank's tokens in int32")
         _check_optional_int(self, "num_experts", minimum=1)
         if not isinstance(self.megakernel, MegakernelTunables):
             raise MoKConfigError(
@@ -136,8 +143,8 @@ class MoKConfig:
                 f"MoKConfig.tile_rows={t!r} is not supported; it must be a power of two "
                 f"between 1 and {MAX_TILE_ROWS} (the GPU backends take {GPU_TILE_ROWS})"
             )
-        if not isinstance(self.timeout_s, (int, float)) or not math.isfinite(self.timeout_s) \
-                or self.timeout_s <= 0:
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise MoKConfigError(
                 f"MoKConfig.timeout_s={self.timeout_s!r} must be a positive finite number of seconds"
             )

@@ -25,7 +25,7 @@ runs in float32 (float64 when the inputs are float64) and results are cast back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 __all__ = ["Schedule", "build_schedule", "reference_moe", "dense_moe"]
+
+# The cross-rank steps, numbered as the GPU backends' barriers (megatron_mok.functional.faults).
+SITE_FWD_DISPATCH, SITE_FWD_COMBINE, SITE_BWD_DISPATCH, SITE_BWD_COMBINE = 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -245,7 +248,7 @@ def _sum_slots(slots: torch.Tensor, weights: Optional[torch.Tensor], valid: torc
 
 class _ReferenceMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, group, tile_rows):
+    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, group, tile_rows, checkpoint):
         world, rank = _group_size_rank(group)
         topk = topk_ids.shape[1]
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -259,6 +262,8 @@ class _ReferenceMoE(torch.autograd.Function):
         fc1c, fc2c = fc1.to(compute), fc2.to(compute)
         x_disp = _pull_rows(mine, _all_gather_ragged(xc, group), topk, per_route=False)
         a, b, o = _ffn_forward(x_disp, fc1c, fc2c, mine)
+        if checkpoint is not None:
+            checkpoint(SITE_FWD_COMBINE)
         slots = _push_rows(schedules, _all_gather_ragged(o, group), rank, x.shape[0], topk)
         valid = topk_ids >= 0
         y = _sum_slots(slots, topk_weights.to(compute), valid)
@@ -266,6 +271,7 @@ class _ReferenceMoE(torch.autograd.Function):
         ctx.save_for_backward(topk_ids, topk_weights, fc1, fc2, x_disp, a, b, slots)
         ctx.schedules = schedules
         ctx.group = group
+        ctx.checkpoint = checkpoint
         ctx.x_dtype = x.dtype
         return y.to(x.dtype)
 
@@ -274,6 +280,8 @@ class _ReferenceMoE(torch.autograd.Function):
     def backward(ctx, dy):
         topk_ids, topk_weights, fc1, fc2, x_disp, a, b, slots = ctx.saved_tensors
         group, schedules = ctx.group, ctx.schedules
+        if ctx.checkpoint is not None:
+            ctx.checkpoint(SITE_BWD_DISPATCH)
         _, rank = _group_size_rank(group)
         topk = topk_ids.shape[1]
         compute = slots.dtype
@@ -288,6 +296,8 @@ class _ReferenceMoE(torch.autograd.Function):
         d_o = _pull_rows(schedules[rank], _all_gather_ragged(d_slots, group), topk, per_route=True)
         dx_disp, d_fc1, d_fc2 = _ffn_backward(d_o, x_disp, a, b, fc1.to(compute), fc2.to(compute),
                                                schedules[rank])
+        if ctx.checkpoint is not None:
+            ctx.checkpoint(SITE_BWD_COMBINE)
         # Reverse-dispatch: push dX per slot back home, then the fixed-order sum.
         dx_slots = _push_rows(schedules, _all_gather_ragged(dx_disp, group), rank, dy.shape[0], topk)
         dx = _sum_slots(dx_slots, None, valid)
@@ -297,6 +307,7 @@ class _ReferenceMoE(torch.autograd.Function):
             d_weights.to(topk_weights.dtype),
             d_fc1.to(fc1.dtype),
             d_fc2.to(fc2.dtype),
+            None,
             None,
             None,
         )
@@ -311,6 +322,7 @@ def reference_moe(
     *,
     ep_group: Optional[dist.ProcessGroup] = None,
     tile_rows: int = 128,
+    checkpoint: Optional[Callable[[int], None]] = None,
 ) -> torch.Tensor:
     """The contract, computed by the reference dataflow. Inputs are assumed validated
     (:func:`megatron_mok.functional.mok_moe` validates them).
@@ -323,11 +335,16 @@ def reference_moe(
         fc2_weight: [L, H, I].
         ep_group: the expert-parallel process group; None means P = 1.
         tile_rows: padding of each expert segment in the schedule.
+        checkpoint: called as ``checkpoint(site)`` before the cross-rank steps after the first:
+            the combine (:data:`SITE_FWD_COMBINE`), the backward's start
+            (:data:`SITE_BWD_DISPATCH`) and its reverse dispatch (:data:`SITE_BWD_COMBINE`); the
+            reference backend meets the other ranks there, with a timeout. The forward's start
+            (dispatch) is the caller's.
 
     Returns:
         y: [T, H] in ``x.dtype``. Differentiable w.r.t. x, topk_weights and both weights.
     """
-    return _ReferenceMoE.apply(x, topk_ids, topk_weights, fc1_weight, fc2_weight, ep_group, tile_rows)
+    return _ReferenceMoE.apply(x, topk_ids, topk_weights, fc1_weight, fc2_weight, ep_group, tile_rows, checkpoint)
 
 
 def dense_moe(

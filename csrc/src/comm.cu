@@ -119,6 +119,36 @@ __global__ void __launch_bounds__(kThreads) sum_slots_kernel(
   }
 }
 
+__device__ inline bool stopped(const int32_t* status) {
+  return status != nullptr && (mok::ld_volatile(&status[MOK_STATUS_FLAGS]) & MOK_STATUS_TIMEOUT) != 0;
+}
+
+// This rank's failure word in every peer's signal array (after its own flags [P]).
+__device__ inline void announce_stop(const uint64_t* signal_bases, int rank, int P, uint64_t word) {
+  mok::fence_acq_rel_sys();
+  for (int q = 0; q < P; ++q)
+    if (q != rank) mok::st_release_sys_u64(reinterpret_cast<uint64_t*>(signal_bases[q]) + P + rank, word);
+}
+
+// Record a stop in the status word (the first one wins the detail words). Returns whether this
+// call recorded the first. PEER_FAILED is set only with the first (the detail words are its).
+__device__ inline bool record_stop(int32_t* status, int flags, int peer, int site, int rank, int code) {
+  if (status == nullptr) return false;
+  const int old = atomicOr(&status[MOK_STATUS_FLAGS], MOK_STATUS_TIMEOUT);
+  const bool first = (old & MOK_STATUS_TIMEOUT) == 0;
+  if (first) {
+    atomicExch(&status[MOK_STATUS_PEER], peer);
+    atomicExch(&status[MOK_STATUS_WHERE], site);
+    atomicExch(&status[MOK_STATUS_RANK], rank);
+    if (flags & MOK_STATUS_PEER_FAILED) {
+      atomicExch(&status[MOK_STATUS_FAILURE], code);
+      atomicOr(&status[MOK_STATUS_FLAGS], MOK_STATUS_PEER_FAILED);
+    }
+  }
+  __threadfence_system();
+  return first;
+}
+
 __global__ void barrier_kernel(const uint64_t* __restrict__ signal_bases, int rank, int P,
                                uint64_t* counter, int64_t timeout_ns, int site,
                                int32_t* status) {
@@ -126,8 +156,7 @@ __global__ void barrier_kernel(const uint64_t* __restrict__ signal_bases, int ra
   __shared__ int skip;
   if (threadIdx.x == 0) {
     epoch = ++(*counter);
-    skip = (status != nullptr) &&
-           ((mok::ld_volatile(&status[MOK_STATUS_FLAGS]) & MOK_STATUS_TIMEOUT) != 0);
+    skip = stopped(status);
   }
   __syncthreads();
   const int p = threadIdx.x;
@@ -137,22 +166,36 @@ __global__ void barrier_kernel(const uint64_t* __restrict__ signal_bases, int ra
   mok::fence_acq_rel_sys();
   mok::st_release_sys_u64(reinterpret_cast<uint64_t*>(signal_bases[p]) + rank, epoch);
   const uint64_t* mine = reinterpret_cast<const uint64_t*>(signal_bases[rank]) + p;
+  const uint64_t* failure = reinterpret_cast<const uint64_t*>(signal_bases[rank]) + P + p;
   const uint64_t start = mok::globaltimer_ns();
-  while (mok::ld_acquire_sys_u64(mine) < epoch) {
+  for (uint32_t spin = 1; mok::ld_acquire_sys_u64(mine) < epoch; ++spin) {
+    const uint64_t word = mok::ld_acquire_sys_u64(failure);
+    if (word != 0) {  // peer p stopped: every rank stops this call
+      record_stop(status, MOK_STATUS_PEER_FAILED, (int)(word & 0xffffffffu), site, rank,
+                  (int)((word >> 32) & 0x7fffffffu));
+      return;
+    }
+    if ((spin & 15u) == 0 && stopped(status)) return;  // another wait of this rank stopped
     if ((int64_t)(mok::globaltimer_ns() - start) > timeout_ns) {
-      if (status != nullptr) {
-        int old = atomicOr(&status[MOK_STATUS_FLAGS], MOK_STATUS_TIMEOUT);
-        if ((old & MOK_STATUS_TIMEOUT) == 0) {
-          atomicExch(&status[MOK_STATUS_PEER], p);
-          atomicExch(&status[MOK_STATUS_WHERE], site);
-          atomicExch(&status[MOK_STATUS_RANK], rank);
-        }
-        __threadfence_system();
-      }
+      if (record_stop(status, 0, p, site, rank, 0))
+        announce_stop(signal_bases, rank, P, MOK_FAILURE_WORD(MOK_FAILURE_TIMEOUT, rank));
       return;
     }
     __nanosleep(100);
   }
+  // Arrived, but a peer that stored its epoch and then gave up waiting (for this rank or
+  // another) has set its failure word: this call stops here too.
+  const uint64_t word = mok::ld_acquire_sys_u64(failure);
+  if (word != 0)
+    record_stop(status, MOK_STATUS_PEER_FAILED, (int)(word & 0xffffffffu), site, rank,
+                (int)((word >> 32) & 0x7fffffffu));
+}
+
+__global__ void signal_failure_kernel(const uint64_t* __restrict__ signal_bases, int rank, int P, int code,
+                                      int failed_rank, int32_t* status) {
+  if (threadIdx.x != 0) return;
+  record_stop(status, MOK_STATUS_PEER_FAILED, failed_rank, 0, rank, code);
+  announce_stop(signal_bases, rank, P, MOK_FAILURE_WORD(code, failed_rank));
 }
 
 int launch_blocks(int num_blocks) {
@@ -202,6 +245,15 @@ MOK_API int mok_sum_slots(const void* slots, const int64_t* ids, int T, int K, i
   sum_slots_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint4*>(slots), ids, T, K, H, E,
                                                static_cast<uint4*>(out), scalar_slots,
                                                scalars_out, status);
+  MOK_RETURN_IF_LAUNCH_FAILED();
+  return MOK_OK;
+}
+
+MOK_API int mok_signal_failure(const uint64_t* signal_bases, int rank, int P, int code,
+                               int failed_rank, int32_t* status, cudaStream_t stream) {
+  MOK_REQUIRE(signal_bases && status && P >= 1 && P <= 1024 && rank >= 0 && rank < P);
+  MOK_REQUIRE(code >= 1 && failed_rank >= 0 && failed_rank < P);
+  signal_failure_kernel<<<1, 32, 0, stream>>>(signal_bases, rank, P, code, failed_rank, status);
   MOK_RETURN_IF_LAUNCH_FAILED();
   return MOK_OK;
 }

@@ -32,11 +32,23 @@ struct Geometry {
   int units_per_rank;  // ceil(max_tokens * K / kUnitRoutes), at least 1
 };
 
+// Record a bad value of source rank `source` (first one wins the detail words). Every rank's
+// schedule reads every rank's ids and token count, so every rank records it, naming the source.
+__device__ inline void report_from(int32_t* status, int flag, int value, int rank, int source) {
+  if (status == nullptr) return;
+  const int old = atomicOr(&status[MOK_STATUS_FLAGS], flag);
+  if ((old & flag) == 0) {
+    atomicExch(&status[MOK_STATUS_VALUE], value);
+    atomicExch(&status[MOK_STATUS_RANK], rank);
+    atomicExch(&status[MOK_STATUS_SOURCE], source);
+  }
+}
+
 __device__ inline int tokens_of(const int32_t* const* ntok_ptrs, int s, int max_tokens,
                                 int32_t* status, int rank) {
   int t = *ntok_ptrs[s];
   if (t < 0 || t > max_tokens) {
-    mok::report_status(status, MOK_STATUS_TOO_MANY_TOKENS, t, rank);
+    report_from(status, MOK_STATUS_TOO_MANY_TOKENS, t, rank, s);
     t = t < 0 ? 0 : max_tokens;
   }
   return t;
@@ -44,9 +56,11 @@ __device__ inline int tokens_of(const int32_t* const* ntok_ptrs, int s, int max_
 
 // Local expert of the route, or -1 when the route is unused or belongs to another rank.
 __device__ inline int local_expert(int64_t id, int first_expert, int L, int num_experts,
-                                   int32_t* status, int rank, bool report) {
+                                   int32_t* status, int rank, int source, bool report) {
   if (id < -1 || id >= num_experts) {
-    if (report) mok::report_status(status, MOK_STATUS_BAD_EXPERT_ID, (int)id, rank);
+    // The value word is int32: an id beyond it is recorded saturated.
+    const int value = id > INT32_MAX ? INT32_MAX : (id < INT32_MIN ? INT32_MIN : (int)id);
+    if (report) report_from(status, MOK_STATUS_BAD_EXPERT_ID, value, rank, source);
     return -1;
   }
   int64_t l = id - first_expert;
@@ -80,7 +94,7 @@ __global__ void histogram_kernel(const int64_t* const* ids_ptrs, const int32_t* 
 #pragma unroll
   for (int j = 0; j < kRoutesPerLane; ++j) {
     if (begin + j * kWarp + (int)threadIdx.x >= end) break;
-    int l = local_expert(id[j], first, g.L, g.P * g.L, status, g.rank, /*report=*/true);
+    int l = local_expert(id[j], first, g.L, g.P * g.L, status, g.rank, s, /*report=*/true);
     if (l >= 0) atomicAdd(&hist[l], 1);  // integer counts: order-independent
   }
   __syncwarp();
@@ -167,7 +181,7 @@ __global__ void place_kernel(const int64_t* const* ids_ptrs, const int32_t* cons
     const int r0 = begin + j * kWarp;
     if (r0 >= end) break;  // the same for every lane
     const int r = r0 + lane;
-    int l = r < end ? local_expert(id[j], first, g.L, g.P * g.L, nullptr, g.rank, false) : -1;
+    int l = r < end ? local_expert(id[j], first, g.L, g.P * g.L, nullptr, g.rank, s, false) : -1;
     unsigned same = __match_any_sync(0xffffffffu, l);
     if (l >= 0) {
       int row = next_row[l] + __popc(same & lanes_below);

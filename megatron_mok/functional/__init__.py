@@ -13,13 +13,17 @@ import torch
 from ..config import MegakernelTunables, MoKConfig, MoKConfigError
 from .agreement import MoKMismatchError, agree_on_call
 from .backends import BackendUnavailable, CallSpec, select_backend
+from .faults import MoKCapacityError, MoKPeerError, MoKRuntimeError, MoKTimeoutError, announce_failure
 from .groups import EPGroup, LocalEPGroup, LocalEPRank, check_ep_group, group_size_rank
 from .validate import MoKInputError, check_backend_name, check_inputs, weight_segments
-from .workspace import MoKCapacityError, MoKRuntimeError, MoKTimeoutError, check_errors
+from .workspace import check_errors
 
 __all__ = ["mok_moe", "check_errors", "LocalEPGroup", "LocalEPRank", "EPGroup", "group_size_rank", "MoKInputError",
            "MoKConfig", "MegakernelTunables", "MoKConfigError", "MoKMismatchError", "MoKCapacityError",
-           "MoKRuntimeError", "MoKTimeoutError", "BackendUnavailable"]
+           "MoKRuntimeError", "MoKTimeoutError", "MoKPeerError", "BackendUnavailable"]
+
+# Raised by a rank's own checks before its backend runs: the other ranks are told (faults.announce_failure).
+_OWN_CHECK_ERRORS = (MoKInputError, MoKConfigError, BackendUnavailable, MoKCapacityError)
 
 
 def mok_moe(
@@ -68,24 +72,55 @@ def mok_moe(
         MoKMismatchError: on every rank, when the ranks of the EP group call with different
             settings (config, sizes, dtype or backend), before any data is exchanged.
         BackendUnavailable: when the requested backend cannot run here, saying why.
-        MoKCapacityError: more tokens than the GPU workspace was sized for.
-        MoKRuntimeError, MoKTimeoutError: a problem a kernel recorded during an earlier call
-            (a bad expert id, a peer that never arrived); see docs/architecture.md.
+        MoKCapacityError: more tokens than the workspace was sized for (at the first call, or
+            ``MoKConfig.max_tokens_per_rank``).
+        MoKPeerError: another rank of the EP group stopped this call (its own checks failed) or
+            an earlier one (GPU backends: that call's output was NaN); names the rank.
+        MoKRuntimeError, MoKTimeoutError: a problem recorded during an earlier call (a bad
+            expert id: that call's output was NaN on every rank; a peer that did not arrive within
+            ``MoKConfig.timeout_s``), or a peer that does not arrive at this call; see
+            docs/contract.md ("Errors").
+
+    A rank whose own checks fail (the errors above raised before its backend runs) tells the
+    other ranks, so that none waits for it: they raise :class:`MoKPeerError` at this call
+    (reference backend; GPU backends at the first call with new settings), or their output of
+    this call is NaN and their next call raises it (GPU backends).
     """
-    check_backend_name(backend)
     try:
         check_ep_group(ep_group)
     except TypeError as err:
         raise MoKInputError(str(err)) from None
-    shape = check_inputs(x, topk_ids, topk_weights, fc1_weight, fc2_weight)
-    if config is None:
-        config = MoKConfig()
-    elif not isinstance(config, MoKConfig):
-        raise MoKConfigError(f"config must be a MoKConfig or None, got {type(config).__name__}")
-    ep_size, _ = group_size_rank(ep_group)
-    config.check_experts(ep_size, shape.experts_per_rank)
-    spec = CallSpec(shape=shape, config=config, ep_group=ep_group, ep_size=ep_size, device=x.device, dtype=x.dtype)
-    chosen = select_backend(backend, spec)
-    agree_on_call(ep_group, config, shape, x.dtype, chosen.name)
+    try:
+        check_backend_name(backend)
+        shape = check_inputs(x, topk_ids, topk_weights, fc1_weight, fc2_weight)
+        if config is None:
+            config = MoKConfig()
+        elif not isinstance(config, MoKConfig):
+            raise MoKConfigError(f"config must be a MoKConfig or None, got {type(config).__name__}; build one with "
+                                 "megatron_mok.MoKConfig(...)")
+        ep_size, _ = group_size_rank(ep_group)
+        config.check_experts(ep_size, shape.experts_per_rank)
+        spec = CallSpec(shape=shape, config=config, ep_group=ep_group, ep_size=ep_size, device=x.device,
+                        dtype=x.dtype)
+        chosen = select_backend(backend, spec)
+    except _OWN_CHECK_ERRORS as err:
+        announce_failure(ep_group, err)
+        raise
+    try:
+        agree_on_call(ep_group, config, shape, x.dtype, chosen.name)
+    except (MoKMismatchError, MoKPeerError) as err:
+        # A process group raised it on every rank; a virtual rank found it alone: the ranks
+        # issued before it are already queued and must be told.
+        if isinstance(ep_group, LocalEPRank):
+            announce_failure(ep_group, err, failed_rank=getattr(err, "failed_rank", None),
+                             failed_code=getattr(err, "failed_code", None), compared=True)
+        raise
     fc1s, fc2s = weight_segments("fc1_weight", fc1_weight), weight_segments("fc2_weight", fc2_weight)
-    return chosen.run(spec, x, topk_ids, topk_weights, fc1s, fc2s)
+    if chosen.name == "reference":  # it meets the other ranks at every call and tells them itself
+        return chosen.run(spec, x, topk_ids, topk_weights, fc1s, fc2s)
+    try:
+        return chosen.run(spec, x, topk_ids, topk_weights, fc1s, fc2s)
+    except (MoKCapacityError, MoKConfigError) as err:  # raised before any GPU work of this call
+        announce_failure(ep_group, err, compared=True)
+        raise
+

@@ -25,8 +25,19 @@ class LocalEPGroup:
     """
 
     def __init__(self, size: int, device: Optional[torch.device] = None):
-        if size < 1:
-            raise ValueError(f"LocalEPGroup size={size} must be at least 1")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"LocalEPGroup size={size!r} must be an integer of at least 1 (the number of "
+                             "virtual ranks)")
+        if device is not None and not isinstance(device, (torch.device, str, int)):
+            raise TypeError(f"LocalEPGroup device={device!r} ({type(device).__name__}) must be None (the current "
+                            "CUDA device), a torch.device, a string such as 'cuda:0' or a device index")
+        if device is not None and torch.device(device).type != "cuda":
+            raise ValueError(f"LocalEPGroup device={device!r}: virtual ranks run the GPU backends, on a CUDA "
+                             "device")
+        if not torch.cuda.is_available():
+            raise RuntimeError("LocalEPGroup needs a CUDA device (virtual ranks run MoK's GPU backends on one "
+                               "GPU); this machine has none visible. Without a GPU, run P ranks as processes with "
+                               "the reference backend (torch.distributed, gloo)")
         _require_eager_module_loading()
         self.size = size
         self.device = torch.device(device if device is not None else torch.cuda.current_device())
@@ -39,9 +50,16 @@ class LocalEPGroup:
         # Call signatures by call index, until every rank has made that call (agreement.agree).
         self.signatures: dict = {}
         self.calls = [0] * size
+        # The workspace shape the ranks used last (where a rank that stops a call tells the others).
+        self.last_shape_key = None
 
     def __getitem__(self, rank: int) -> "LocalEPRank":
+        if isinstance(rank, bool) or not isinstance(rank, int) or not -self.size <= rank < self.size:
+            raise IndexError(f"LocalEPGroup has {self.size} ranks (0 to {self.size - 1}); rank {rank!r} is not one")
         return self.ranks[rank]
+
+    def __len__(self) -> int:
+        return self.size
 
 
 def _require_eager_module_loading() -> None:
@@ -79,6 +97,13 @@ _process_group_size_rank: Dict[dist.ProcessGroup, Tuple[int, int]] = {}
 def check_ep_group(ep_group) -> None:
     """Raise ``TypeError`` unless ``ep_group`` is None, a ``torch.distributed`` process group or
     a :class:`LocalEPRank`."""
+    if isinstance(ep_group, LocalEPGroup):
+        raise TypeError(f"ep_group is a LocalEPGroup of {ep_group.size} virtual ranks; pass one rank of it, "
+                        "group[r] (a LocalEPRank), as each rank's ep_group")
+    if isinstance(ep_group, int) and ep_group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise TypeError("ep_group is GroupMember.NON_GROUP_MEMBER: this rank is not a member of the process group "
+                        "(torch.distributed.new_group returns that on the ranks it does not list); pass the "
+                        "expert-parallel group this rank belongs to")
     if ep_group is not None and not isinstance(ep_group, (dist.ProcessGroup, LocalEPRank)):
         raise TypeError(
             f"ep_group={ep_group!r} ({type(ep_group).__name__}) is not supported; pass None (one rank), the "

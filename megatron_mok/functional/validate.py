@@ -1,9 +1,10 @@
 """Input checks for :func:`megatron_mok.functional.mok_moe`, run before any GPU work.
 
-Everything here reads shapes, dtypes and devices only, never tensor values, so it costs no
-host-device synchronisation. The one value check, expert ids in range, is done by the
-reference backend on the host and by the CUDA backends on the device (the schedule kernel
-records bad ids in the workspace's status word; see ``megatron_mok.functional.status``).
+Everything here reads shapes, dtypes, layouts and devices only, never tensor values, so it costs
+no host-device synchronisation. The one value check, expert ids in range, is not an input check:
+a bad id makes the call's output NaN on every rank and the next call raise, on every backend
+(docs/contract.md, "Errors"; the schedule kernel records it on the GPU, the reference backend
+on the host).
 """
 
 from __future__ import annotations
@@ -36,10 +37,15 @@ class MoEShape:
     ffn_hidden: int
 
 
+MAX_ROUTES = 2 ** 31 - 1
+"""T * K of one rank must fit int32: the schedule table and the kernels index routes with int32."""
+
+
 def check_backend_name(backend: str) -> None:
     """Raise :class:`MoKInputError` unless ``backend`` is one of :data:`BACKENDS`."""
-    if backend not in BACKENDS:
-        raise MoKInputError(f"backend={backend!r} is not one of {BACKENDS}")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        kind = "" if isinstance(backend, str) else f" ({type(backend).__name__})"
+        raise MoKInputError(f"backend={backend!r}{kind} is not one of {BACKENDS}")
 
 
 def weight_segments(name: str, weight) -> tuple:
@@ -73,13 +79,18 @@ def check_inputs(x, topk_ids, topk_weights, fc1_weight, fc2_weight) -> MoEShape:
     """
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if not isinstance(t, torch.Tensor):
-            raise MoKInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise MoKInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}"
+                                + ("" if t is None else " (convert it with torch.as_tensor)"))
     fc1s, fc2s = weight_segments("fc1_weight", fc1_weight), weight_segments("fc2_weight", fc2_weight)
     if len(fc1s) != len(fc2s):
         raise MoKInputError(f"fc1_weight has {len(fc1s)} weight segments and fc2_weight {len(fc2s)}; "
                             "they must have the same number")
     named1 = [("fc1_weight" if len(fc1s) == 1 else f"fc1_weight[{i}]", w) for i, w in enumerate(fc1s)]
     named2 = [("fc2_weight" if len(fc2s) == 1 else f"fc2_weight[{i}]", w) for i, w in enumerate(fc2s)]
+    for name, t in [("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)] + named1 + named2:
+        if t.layout != torch.strided:
+            raise MoKInputError(f"{name} has layout {t.layout}; MoK takes dense tensors (torch.strided): "
+                                "convert it with .to_dense()")
     _expect_dims("x", x, 2, "[T, H]")
     _expect_dims("topk_ids", topk_ids, 2, "[T, K]")
     _expect_dims("topk_weights", topk_weights, 2, "[T, K]")
@@ -103,6 +114,9 @@ def check_inputs(x, topk_ids, topk_weights, fc1_weight, fc2_weight) -> MoEShape:
             raise MoKInputError(f"{name} has dtype {w.dtype} but x has {x.dtype}; they must match")
 
     tokens, hidden = x.shape
+    if hidden < 1:
+        raise MoKInputError(f"x has shape {tuple(x.shape)}; the hidden size H (its second dimension) must be at "
+                            "least 1")
     if topk_ids.shape[0] != tokens or topk_weights.shape != topk_ids.shape:
         raise MoKInputError(
             f"x is {tuple(x.shape)} but topk_ids is {tuple(topk_ids.shape)} and topk_weights is "
@@ -110,7 +124,10 @@ def check_inputs(x, topk_ids, topk_weights, fc1_weight, fc2_weight) -> MoEShape:
         )
     topk = topk_ids.shape[1]
     if topk < 1:
-        raise MoKInputError(f"top-k is {topk}; it must be at least 1")
+        raise MoKInputError(f"top-k is {topk} (topk_ids is {tuple(topk_ids.shape)}); it must be at least 1")
+    if tokens * topk > MAX_ROUTES:
+        raise MoKInputError(f"this call has {tokens} tokens x top-k {topk} = {tokens * topk} routes on this rank; "
+                            f"MoK indexes routes with int32 (at most {MAX_ROUTES}): split the call")
     two_i = fc1s[0].shape[1]
     experts = 0
     for (name1, w1), (name2, w2) in zip(named1, named2):
@@ -137,20 +154,6 @@ def check_inputs(x, topk_ids, topk_weights, fc1_weight, fc2_weight) -> MoEShape:
         raise MoKInputError("the arguments are on the meta device, which holds no data; mok_moe computes on "
                             "the CPU (reference backend) or on CUDA devices")
     return MoEShape(tokens=tokens, hidden=hidden, topk=topk, experts_per_rank=experts, ffn_hidden=inter)
-
-
-def check_expert_ids_on_host(topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Raise :class:`MoKInputError` if any id is outside [-1, num_experts). Reads the values
-    (a host sync on GPU tensors), so only the reference backend calls it."""
-    if topk_ids.numel() == 0:
-        return
-    lo, hi = int(topk_ids.min()), int(topk_ids.max())
-    if lo < -1 or hi >= num_experts:
-        bad = lo if lo < -1 else hi
-        raise MoKInputError(
-            f"topk_ids holds expert id {bad}; ids must lie in [0, {num_experts}) "
-            f"(E = experts per rank x EP size), or be -1 for an unused slot"
-        )
 
 
 def _expect_dims(name: str, t: torch.Tensor, dims: int, layout: str) -> None:

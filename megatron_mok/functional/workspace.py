@@ -8,7 +8,7 @@ group the regions are torch symmetric memory (multicast is never used); for P = 
 the virtual ranks of :class:`LocalEPGroup` they are plain device allocations.
 
 Size, fixed up front and independent of the routing, per rank, for capacity T_cap tokens:
-``8P + 16 + T_cap*K*(8 + 4) + T_cap*H*2 + T_cap*K*H*2`` bytes (plus alignment): the
+``16P + 16 + T_cap*K*(8 + 4) + T_cap*H*2 + T_cap*K*H*2`` bytes (plus alignment): the
 per-(token, slot) rows dominate. Per-call tensors (the schedule table and the
 expert-grouped activations) are sized by the worst case ``P*T_cap*K + L*(tile-1)`` rows.
 
@@ -32,37 +32,16 @@ from ..config import MoKConfig
 from ..ops import comm as comm_ops
 from ..ops import prologue as prologue_ops
 from ..ops import schedule as schedule_ops
+from . import faults
+from .faults import (SITE_WORKSPACE, MoKCapacityError, MoKPeerError, MoKRuntimeError,  # noqa: F401
+                     MoKTimeoutError, bad_id_message, capacity_message, own_stop_message, peer_failed_message,
+                     timeout_message)
 from .groups import EPGroup, LocalEPRank, global_rank_name, group_size_rank
 
-# Which barrier a timeout happened at (the kernel records the number).
-SITE_NAMES = {
-    1: "forward dispatch (waiting for every rank to publish its tokens)",
-    2: "forward combine (waiting for every rank to push its expert outputs)",
-    3: "backward (waiting for every rank to publish its output gradients)",
-    4: "backward (waiting for every rank to push its input gradients)",
-    # The megakernel records 7, 8, 10 and 11 inside its launch (csrc/include/mok/megakernel.h).
-    7: "forward megakernel, inside this rank's launch (fc1 waiting for its pulled rows)",
-    8: "forward megakernel, inside this rank's launch (fc2 waiting for its row block's fc1)",
-    10: "forward megakernel, inside this rank's launch (pull waiting for a free ring slot, i.e. "
-        "for the fc2 tiles of the block before it)",
-    11: "forward megakernel combine (waiting for every rank to push its expert outputs)",
-}
-STATUS_BAD_EXPERT_ID, STATUS_TOO_MANY_TOKENS, STATUS_TIMEOUT = 1, 2, 4
+STATUS_BAD_EXPERT_ID, STATUS_TOO_MANY_TOKENS, STATUS_TIMEOUT, STATUS_PEER_FAILED = 1, 2, 4, 8
+# Words of the status (csrc/include/mok/common.h, MokStatusIndex).
+_FLAGS, _VALUE, _PEER, _WHERE, _RANK, _FAILURE, _SOURCE = range(7)
 _ALIGN = 256
-
-
-class MoKRuntimeError(RuntimeError):
-    """A problem detected on the device during an earlier MoK call (bad expert ids, a token
-    count above capacity, a peer that did not arrive). The workspace is unusable afterwards:
-    ranks may be out of step, so training must stop (as after an NCCL error)."""
-
-
-class MoKTimeoutError(MoKRuntimeError):
-    """A peer rank did not arrive at a MoK barrier within ``MoKConfig.timeout_s``."""
-
-
-class MoKCapacityError(ValueError):
-    """A call has more tokens than the workspace was sized for."""
 
 
 def _align(n: int) -> int:
@@ -73,8 +52,8 @@ def _align(n: int) -> int:
 class SymmetricLayout:
     """Byte offsets of the buffers in every rank's region (the same on all ranks).
 
-    signals: uint64 [P], flags peers write: the barrier's and the megakernel's combine-done
-    flags, one per peer;
+    signals: uint64 [2P], words peers write: the barrier's and the megakernel's combine-done
+    flags, one per peer, then the failure words, one per peer (csrc/include/mok/common.h);
     ntok: int32, this rank's T;
     ids: int64 [T_cap, K]; scalars: fp32 [T_cap, K] (router weights out, dw slots in);
     rows: bf16 [T_cap, H] (x in the forward, dy in the backward);
@@ -95,7 +74,7 @@ class SymmetricLayout:
 
     @staticmethod
     def plan(P: int, max_tokens: int, topk: int, hidden: int) -> "SymmetricLayout":
-        sizes = [("signals", 8 * P), ("ntok", 16), ("ids", 8 * max_tokens * topk),
+        sizes = [("signals", 16 * P), ("ntok", 16), ("ids", 8 * max_tokens * topk),
                  ("scalars", 4 * max_tokens * topk), ("rows", 2 * max_tokens * hidden),
                  ("slots", 2 * max_tokens * topk * hidden)]
         offsets, at = {}, 0
@@ -150,12 +129,7 @@ class Workspace:
     def check_tokens(self, tokens: int) -> None:
         """Raise :class:`MoKCapacityError` if ``tokens`` exceeds the capacity."""
         if tokens > self.layout.max_tokens:
-            raise MoKCapacityError(
-                f"this call has {tokens} tokens on EP rank {self.rank}, but the MoK workspace "
-                f"holds {self.layout.max_tokens} per rank (agreed at the first call); set "
-                f"MoKConfig.max_tokens_per_rank (--mok-max-tokens-per-rank) to the largest "
-                f"token count any rank will see"
-            )
+            raise MoKCapacityError(capacity_message(self.ep_group, self.rank, tokens, self.layout.max_tokens))
 
     def mirror_status(self) -> None:
         """Queue the copy of the device status word to the host (end of every call): a kernel's
@@ -166,34 +140,51 @@ class Workspace:
         else:
             self.status_host.copy_(self.status, non_blocking=True)
 
+    def signal_failure(self, code: int, failed_rank: int) -> None:
+        """This rank stops the current call before queueing it: set its failure word in every
+        peer's signal array (their next barrier stops, their outputs are NaN, their next call
+        raises naming ``failed_rank``) and record the stop in its own status word (this
+        workspace is out of step with its peers' from now on). Queued on the current stream;
+        nothing for P = 1."""
+        if self.P == 1:
+            return
+        comm_ops.signal_failure(self.signal_bases, self.rank, code, failed_rank, self.status)
+        self.mirror_status()
+
+    def recorded_error(self, timeout_s: float) -> "MoKRuntimeError | None":
+        """The error an earlier call's kernels recorded, if any (reads the pinned host copy of
+        the status word: no device synchronisation)."""
+        flags = int(self._status_host_view[0])
+        if flags == 0:
+            return None
+        words = [int(v) for v in self._status_host_view[:7]]
+        value, peer, site, rank, code, source = (words[_VALUE], words[_PEER], words[_WHERE], words[_RANK],
+                                                 words[_FAILURE], words[_SOURCE])
+        g = self.ep_group
+        if flags & STATUS_PEER_FAILED:
+            if peer == rank:
+                return MoKRuntimeError(own_stop_message(g, rank, code))
+            return MoKPeerError(peer_failed_message(g, rank, peer, code, "", at_this_call=False, site=site))
+        if flags & STATUS_TIMEOUT:
+            return MoKTimeoutError(timeout_message(g, rank, [peer], timeout_s, site, outputs_nan=True))
+        if flags & STATUS_BAD_EXPERT_ID:
+            return MoKRuntimeError(bad_id_message(g, [(source, value)], self.experts_per_rank * self.P))
+        if flags & STATUS_TOO_MANY_TOKENS:
+            return MoKRuntimeError(
+                f"MoK: {global_rank_name(g, source)} published {value} tokens, above the workspace capacity "
+                f"{self.layout.max_tokens}; the output of that call is NaN. Set MoKConfig.max_tokens_per_rank on "
+                "every rank.")
+        return MoKRuntimeError(f"MoK: unknown status flags {flags:#x}")
+
     def raise_if_failed(self, timeout_s: float) -> None:
         """Raise the error an earlier call's kernels recorded, if any. Reads the pinned host
         copy: no device synchronisation (a problem shows up at the next call, or at once
         after a synchronisation)."""
-        flags = int(self._status_host_view[0])
-        if flags == 0:
+        if int(self._status_host_view[0]) == 0:
             return
-        value, peer, site, rank = (int(v) for v in self.status_host[1:5])
-        if flags & STATUS_TIMEOUT:
-            raise MoKTimeoutError(
-                f"MoK: {global_rank_name(self.ep_group, rank)} waited more than {timeout_s:g} s for "
-                f"{global_rank_name(self.ep_group, peer)} at the {SITE_NAMES.get(site, f'site {site}')}; "
-                "that rank did not enter the same MoK layer call (every rank of the EP group must "
-                "run the MoE layers in the same order), or it failed. Outputs of that call are NaN."
-            )
-        if flags & STATUS_BAD_EXPERT_ID:
-            E = self.experts_per_rank * self.P
-            raise MoKRuntimeError(
-                f"MoK: topk_ids held expert id {value} (seen on EP rank {rank}); ids must lie in "
-                f"[0, {E}) or be -1 for an unused slot. Those routes were left out and the "
-                "output of that call is NaN."
-            )
-        if flags & STATUS_TOO_MANY_TOKENS:
-            raise MoKRuntimeError(
-                f"MoK: a rank published {value} tokens, above the workspace capacity "
-                f"{self.layout.max_tokens}; set MoKConfig.max_tokens_per_rank on every rank."
-            )
-        raise MoKRuntimeError(f"MoK: unknown status flags {flags:#x}")
+        err = self.recorded_error(timeout_s)
+        if err is not None:
+            raise err
 
     # -- per-call steps --------------------------------------------------------------------
 
@@ -255,10 +246,10 @@ def _zeroed_region(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
 
-def _agree_on_capacity(ep_group: dist.ProcessGroup, tokens: int, device: torch.device) -> int:
-    t = torch.tensor([tokens], dtype=torch.int64, device=device if dist.get_backend(ep_group) == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ep_group)
-    return int(t.item())
+def _agree_on_capacity(ep_group: dist.ProcessGroup, tokens: int, timeout_s: float) -> int:
+    """The largest token count of any rank, through a bounded rendezvous of the ranks."""
+    payloads = faults.exchange(ep_group, SITE_WORKSPACE, "workspace", timeout_s, tokens=tokens)
+    return max(int(p["tokens"]) for p in payloads)
 
 
 def _symmetric_region(ep_group: dist.ProcessGroup, nbytes: int, device: torch.device) -> Tuple[torch.Tensor, List[int]]:
@@ -280,7 +271,7 @@ def get_workspace(ep_group: EPGroup, device: torch.device, *, tokens: int, hidde
                   experts_per_rank: int, config: MoKConfig) -> Workspace:
     """The workspace of this rank for the call's shape, created at the first call.
 
-    Creation is collective on a process group (an all-reduce agrees on the token capacity,
+    Creation is collective on a process group (a bounded rendezvous agrees on the token capacity,
     then a symmetric-memory rendezvous): every rank must make its first call together, as it
     does in a model's first forward. Raises :class:`MoKCapacityError` for a later call with
     more tokens than the capacity (a single rank, P = 1, simply grows its workspace).
@@ -305,6 +296,7 @@ def get_workspace(ep_group: EPGroup, device: torch.device, *, tokens: int, hidde
             shared[shape_key] = [Workspace(ep_group=ep_group.group.ranks[r], rank=r, layout=layout,
                                            region=regions[r], bases=bases, experts_per_rank=experts_per_rank)
                                  for r in range(P)]
+        ep_group.group.last_shape_key = shape_key  # where a rank that stops a call tells the others
         ws = shared[shape_key][rank]
         ws.check_tokens(tokens)
         return ws
@@ -316,6 +308,7 @@ def get_workspace(ep_group: EPGroup, device: torch.device, *, tokens: int, hidde
         if ep_group is None and tokens > ws.layout.max_tokens:
             ws = None  # one rank: nobody else to agree with, so grow
         else:
+            faults.note_gpu_call(ep_group, ws)
             ws.check_tokens(tokens)
             return ws
     if ep_group is None:
@@ -325,32 +318,58 @@ def get_workspace(ep_group: EPGroup, device: torch.device, *, tokens: int, hidde
         ws = Workspace(ep_group=None, rank=0, layout=layout, region=region, bases=[region.data_ptr()],
                        experts_per_rank=experts_per_rank)
     else:
-        T = config.max_tokens_per_rank or _agree_on_capacity(ep_group, tokens, device)
+        T = config.max_tokens_per_rank or _agree_on_capacity(ep_group, tokens, float(config.timeout_s))
         T = max(T, 1)
         layout = SymmetricLayout.plan(P, T, topk, hidden)
         region, bases = _symmetric_region(ep_group, layout.total, device)
         ws = Workspace(ep_group=ep_group, rank=rank, layout=layout, region=region, bases=bases,
                        experts_per_rank=experts_per_rank)
+        _workspaces[key] = ws
+        faults.note_gpu_call(ep_group, ws)
         ws.check_tokens(tokens)
     _workspaces[key] = ws
     return ws
 
 
-def check_errors() -> None:
-    """Synchronise the current device and raise any error a MoK kernel recorded in a
-    workspace of this process (a bad expert id, a capacity overflow, a peer timeout).
+def check_errors(ep_group: EPGroup = None) -> None:
+    """Raise any error MoK recorded in this process: a bad expert id, a capacity overflow, a peer
+    that timed out or stopped. Synchronises the current CUDA device first when CUDA is in use.
 
     MoK never synchronises inside a layer call; problems are raised at the next call of a
     layer with that workspace, or here. Call it where a step ends, if you want errors there.
-    Without CUDA (no workspace can exist) it does nothing.
+    Errors stay recorded (the workspace is unusable after one): every later call raises again.
+
+    Args:
+        ep_group: only the workspaces of this EP group (a process group or one
+            :class:`LocalEPRank`); None: every workspace of the process.
+
+    Raises:
+        MoKRuntimeError (MoKTimeoutError, MoKPeerError): the error; when several ranks or
+            workspaces recorded one, the root cause's type with every message.
+        TypeError: ``ep_group`` is not an EP group.
     """
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return
-    torch.cuda.synchronize()
-    for ws in list(_every_workspace):
-        ws.raise_if_failed(ws.timeout_s)
+    from .groups import check_ep_group
+    from .reference_backend import reference_failures
+
+    check_ep_group(ep_group)
+    errors = list(reference_failures(ep_group)) + faults.group_failures(ep_group)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if _every_workspace:
+            torch.cuda.synchronize()
+        for ws in list(_every_workspace):
+            if ep_group is not None and ws.ep_group is not ep_group:
+                continue
+            err = ws.recorded_error(ws.timeout_s)
+            if err is not None:
+                errors.append(err)
+    faults.raise_all(errors)
 
 
 def release_workspaces() -> None:
-    """Drop every cached workspace (tests; a model that changes shape for good)."""
+    """Drop every cached workspace and every recorded failure of this process (tests; a model
+    that changes shape for good). Collective in effect: every rank of a group must release."""
+    from .reference_backend import release_reference_workspaces
+
     _workspaces.clear()
+    release_reference_workspaces()
+    faults.forget_groups()

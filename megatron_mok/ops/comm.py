@@ -27,6 +27,7 @@ def _lib():
         "push": lib.function("mok_push_rows", _i, [_v, _l, _l, _v, _v, _i, _i, _i, _v, _v, _i, _v]),
         "sum": lib.function("mok_sum_slots", _i, [_v, _v, _i, _i, _i, _i, _v, _v, _v, _v, _v]),
         "barrier": lib.function("mok_barrier", _i, [_v, _i, _i, _v, _l, _i, _v, _v]),
+        "signal_failure": lib.function("mok_signal_failure", _i, [_v, _i, _i, _i, _i, _v, _v]),
         "mirror": lib.function("mok_mirror_status", _i, [_v, _v, _v]),
     }
 
@@ -141,6 +142,17 @@ def barrier(signal_bases: torch.Tensor, rank: int, counter: torch.Tensor, timeou
 @barrier.register_fake
 def _(signal_bases, rank, counter, timeout_ns, site, status):
     return None
+
+
+def signal_failure(signal_bases: torch.Tensor, rank: int, code: int, failed_rank: int, status: torch.Tensor) -> None:
+    """Queue on ``status``'s current stream the kernel that tells every peer that this rank
+    stops (``mok_signal_failure``, csrc/include/mok/comm.h): it sets this rank's failure word
+    (``code``, ``failed_rank``) in every peer's signal array and records the stop in ``status``.
+    Not a custom op: it runs only outside compiled code, when a call is stopped on the host."""
+    lib, fns = _lib()
+    code_ = fns["signal_failure"](ptr(signal_bases), rank, signal_bases.numel(), code, failed_rank, ptr(status),
+                                  stream_of(status))
+    lib.check(code_, "mok_signal_failure")
 
 
 def host_device_pointer(pinned: torch.Tensor) -> int:

@@ -82,15 +82,30 @@ def test_bad_weight_segments_are_clear_errors(make, message):
         mok_moe(x, ids, w, f1, f2, backend="reference")
 
 
-def test_expert_id_out_of_range_is_a_clear_error():
+@pytest.mark.parametrize("bad", [3, -2, 2 ** 40])
+def test_expert_id_out_of_range_gives_nan_then_a_clear_error(bad):
+    """The GPU backends' rule on the reference backend too (docs/contract.md, "Errors"): the call
+    returns NaN, its backward, the next call and check_errors() raise naming the rank and the id;
+    the workspace stays failed until released."""
+    from megatron_mok.functional import MoKRuntimeError, check_errors
+    from megatron_mok.functional.workspace import release_workspaces
+
+    release_workspaces()
     args = _args()
     args[1] = args[1].clone()
-    args[1][2, 0] = 3  # E = 3 experts at P = 1
-    with pytest.raises(MoKInputError, match=r"expert id 3; ids must lie in \[0, 3\)"):
-        mok_moe(*args, backend="reference")
-    args[1][2, 0] = -2
-    with pytest.raises(MoKInputError, match="expert id -2"):
-        mok_moe(*args, backend="reference")
+    args[1][2, 0] = bad  # E = 3 experts at P = 1
+    args[0].requires_grad_()
+    y = mok_moe(*args, backend="reference")
+    assert torch.isnan(y).all()
+    message = rf"topk_ids of EP rank 0 held expert id {bad} in an earlier call; ids must lie in \[0, 3\)"
+    with pytest.raises(MoKRuntimeError, match=message):
+        y.sum().backward()
+    with pytest.raises(MoKRuntimeError, match=message):
+        check_errors()
+    with pytest.raises(MoKRuntimeError, match=message):
+        mok_moe(*_args(), backend="reference")  # a clean call on the failed workspace
+    release_workspaces()
+    assert torch.isfinite(mok_moe(*_args(), backend="reference")).all()
 
 
 def _indivisible_worker(rank, world):

@@ -93,6 +93,88 @@ def test_schedule_kernel_flags_bad_ids():
     assert counts.tolist() == [1, 2, 1, 0]  # the bad route is left out, the rest placed
 
 
+@pytest.mark.gpu
+def test_schedule_kernel_names_the_rank_that_held_the_bad_id():
+    """Every rank's schedule reads every rank's ids: rank 0's records rank 1's bad id, naming the
+    source rank (MOK_STATUS_SOURCE) as well as itself (MOK_STATUS_RANK)."""
+    from megatron_mok.ops.schedule import build_schedule_cuda
+
+    ids0 = torch.tensor([[0, 1], [2, 3]], device="cuda")
+    ids1 = torch.tensor([[1, 0], [-1, 2 ** 40]], device="cuda")  # an id beyond int32 is recorded saturated
+    status = build_schedule_cuda([ids0, ids1], 0, 2, 64)[3]
+    torch.cuda.synchronize()
+    words = status.tolist()
+    assert words[0] == 1 and words[1] == 2 ** 31 - 1 and words[4] == 0 and words[6] == 1, words
+
+
+MOK_STATUS_TIMEOUT, MOK_STATUS_PEER_FAILED = 4, 8
+
+
+def test_signal_failure_rejects_bad_arguments_before_any_cuda_call(use_lib):
+    fn = use_lib.function("mok_signal_failure", ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                                                ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                                                ctypes.c_void_p])
+    p = 0x10000  # never dereferenced: the argument checks fail first
+    good = dict(signal_bases=p, rank=0, P=2, code=1, failed_rank=0, status=p)
+    for over in (dict(signal_bases=None), dict(status=None), dict(P=0), dict(rank=2), dict(rank=-1), dict(code=0),
+                 dict(failed_rank=2), dict(P=1025)):
+        a = dict(good, **over)
+        assert fn(a["signal_bases"], a["rank"], a["P"], a["code"], a["failed_rank"], a["status"], None) == -1, over
+
+
+def _virtual_workspaces(P, timeout_s):
+    from megatron_mok import MoKConfig
+    from megatron_mok.functional import LocalEPGroup
+    from megatron_mok.functional.workspace import get_workspace
+
+    group = LocalEPGroup(P)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    config = MoKConfig(max_tokens_per_rank=8, timeout_s=timeout_s)
+    return group, [get_workspace(group[r], dev, tokens=8, hidden=256, topk=2, experts_per_rank=2, config=config)
+                   for r in range(P)]
+
+
+@pytest.mark.gpu
+def test_barrier_stops_at_a_peers_failure_word():
+    """A rank that stops before queueing a call (mok_signal_failure) records it in its own status
+    and sets its failure word in the peers' signal arrays; a peer's barrier stops at it at once
+    (PEER_FAILED with TIMEOUT, naming the rank and the code) instead of waiting out its timeout;
+    later barriers return at once."""
+    import gc
+
+    group, ws = _virtual_workspaces(2, timeout_s=30.0)
+    ws[1].signal_failure(1, 1)  # MOK_FAILURE_INPUT, rank 1
+    with torch.cuda.stream(group.streams[0]):
+        ws[0].barrier(1, 30.0)
+        ws[0].barrier(2, 30.0)
+    torch.cuda.synchronize()
+    flags, value, peer, where, rank, failure, source = ws[0].status.tolist()[:7]
+    assert (flags, peer, where, rank, failure) == (MOK_STATUS_TIMEOUT | MOK_STATUS_PEER_FAILED, 1, 1, 0, 1)
+    flags, _, peer, where, rank, failure, _ = ws[1].status.tolist()[:7]
+    assert (flags, peer, where, rank, failure) == (MOK_STATUS_TIMEOUT | MOK_STATUS_PEER_FAILED, 1, 0, 1, 1)
+    del ws, group
+    gc.collect()
+
+
+@pytest.mark.gpu
+def test_barrier_timeout_sets_the_ranks_failure_word_in_its_peers():
+    import gc
+
+    group, ws = _virtual_workspaces(3, timeout_s=0.2)
+    with torch.cuda.stream(group.streams[0]):
+        ws[0].barrier(2, 0.2)  # ranks 1 and 2 never arrive
+    torch.cuda.synchronize()
+    flags, _, peer, where, rank = ws[0].status.tolist()[:5]
+    assert flags == MOK_STATUS_TIMEOUT and peer in (1, 2) and (where, rank) == (2, 0)
+    P, word = 3, (1 << 63) | (5 << 32) | 0  # MOK_FAILURE_WORD(MOK_FAILURE_TIMEOUT, rank 0)
+    for r in (1, 2):
+        at = ws[r].layout.signals + 8 * (P + 0)
+        got = int(ws[r].region[at:at + 8].view(torch.int64)[0]) & (2 ** 64 - 1)
+        assert got == word, f"rank {r}: failure word of rank 0 is {got:#x}"
+    del ws, group
+    gc.collect()
+
+
 def test_mok_op_calls_eager_plain_tensors_directly_and_fakes_through_the_op():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

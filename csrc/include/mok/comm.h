@@ -38,12 +38,24 @@ MOK_API int mok_sum_slots(const void* slots, const int64_t* ids, int T, int K, i
                           void* out, const float* scalar_slots, float* scalars_out,
                           const int32_t* status, cudaStream_t stream);
 
-// Barrier across the P ranks whose signal arrays are signal_bases[s] (uint64 [P] each).
-// Each call takes the next epoch from *counter (device memory, only ever incremented, so
-// CUDA graph replays stay in step), stores it with release semantics (system scope) into
-// every peer's slot for this rank, and waits with acquire loads until every peer's slot in
-// this rank's array reaches the epoch. A peer that does not arrive within timeout_ns is
-// recorded in `status` (MOK_STATUS_TIMEOUT, its rank, `site`) and the kernel returns; once a
-// timeout is recorded, later barriers return at once.
+// Barrier across the P ranks whose signal arrays are signal_bases[s] (uint64 [2P] each: the
+// flags [P], then the failure words [P], mok/common.h). Each call takes the next epoch from
+// *counter (device memory, only ever incremented, so CUDA graph replays stay in step), stores
+// it with release semantics (system scope) into every peer's flag for this rank, and waits with
+// acquire loads until every peer's flag in this rank's array reaches the epoch. A peer that does
+// not arrive within timeout_ns is recorded in `status` (MOK_STATUS_TIMEOUT, its rank, `site`),
+// and this rank's failure word is set in every peer's array (MOK_FAILURE_TIMEOUT), so that they
+// stop at their next barrier instead of waiting out their own timeout. A peer whose failure
+// word is set is recorded as MOK_STATUS_PEER_FAILED | MOK_STATUS_TIMEOUT (its rank, the failure
+// code, `site`). Once either is recorded, later barriers return at once.
 MOK_API int mok_barrier(const uint64_t* signal_bases, int rank, int P, uint64_t* counter,
                         int64_t timeout_ns, int site, int32_t* status, cudaStream_t stream);
+
+// A rank that stops before it queues a call (its own checks failed, or it learned on the host
+// that a peer did) tells its peers through the device: it stores
+// MOK_FAILURE_WORD(code, failed_rank) into its failure word in every peer's signal array (their
+// next barrier records MOK_STATUS_PEER_FAILED, their outputs are NaN and their next call
+// raises, naming failed_rank), and records MOK_STATUS_PEER_FAILED | MOK_STATUS_TIMEOUT in its
+// own status word (its workspace is out of step with its peers' from then on). No waiting.
+MOK_API int mok_signal_failure(const uint64_t* signal_bases, int rank, int P, int code,
+                               int failed_rank, int32_t* status, cudaStream_t stream);

@@ -25,9 +25,10 @@ MOK_API int64_t mok_schedule_scratch_ints(int P, int max_tokens, int K, int L);
 //             (may point into peer memory).
 // ntok_ptrs:  device array of P pointers; *ntok_ptrs[s] is T_s (int32), read on the device.
 // max_tokens: capacity per rank; a T_s above it is recorded as MOK_STATUS_TOO_MANY_TOKENS
-//             in `status` and clamped.
-// num_experts E = P * L; an id outside [-1, E) is recorded as MOK_STATUS_BAD_EXPERT_ID and
-//             ignored.
+//             in `status` (the value, and s in MOK_STATUS_SOURCE) and clamped.
+// num_experts E = P * L; an id outside [-1, E) is recorded as MOK_STATUS_BAD_EXPERT_ID (the id,
+//             saturated to int32, and its source rank s in MOK_STATUS_SOURCE) and ignored. Every
+//             rank's schedule reads every rank's ids, so every rank of the group records it.
 // table:      int32 [mok_schedule_table_rows(...), 2]; counts: int32 [L];
 // offsets:    int32 [L + 1]; scratch: int32 [mok_schedule_scratch_ints(...)];
 // status:     int32 [MOK_STATUS_WORDS] (device-accessible, may be pinned host memory) or null.
