@@ -1,8 +1,10 @@
 """A small standalone driver for ``compute-sanitizer --tool memcheck`` (not collected by pytest):
-one P = 1 call and one call on two virtual ranks of each GPU backend, forward and backward, on
-small shapes, each checked against the fp32 oracle; with ``--faults`` also the fault paths (a
-bad expert id on one virtual rank, a rank that stops a call before queueing it, so that its
-peer stops at its failure word).
+one P = 1 call of each GPU backend, forward and backward, on small shapes, checked against the
+fp32 oracle; with ``--faults`` also a bad expert id at P = 1 (NaN, then the documented error).
+``--virtual`` adds the same on two virtual ranks and the fault paths between them (a bad id on
+one rank; a rank that stops a call before queueing it, so that its peer stops at its failure
+word): only without the sanitizer, since memcheck runs one kernel at a time and virtual ranks'
+kernels wait on each other.
 
 Run from the repository root, on one sm_90 GPU:
 
@@ -33,18 +35,21 @@ from megatron_mok.functional.workspace import release_workspaces  # noqa: E402
 from tests.gpu_cases import check_against_oracle, gpu_case, leaves, run_case  # noqa: E402
 
 H, I, L, K = 512, 256, 2, 2
-TIMEOUT_S = 300.0
+TIMEOUT_S = 120.0
 
 
-def _clean_calls(backend: str) -> None:
+def _clean_calls(backend: str, virtual: bool) -> None:
     case = gpu_case(301, [96], H, I, L, K)
     check_against_oracle(case, run_case(case, [None], MoKConfig(timeout_s=TIMEOUT_S), backend),
                          f"{backend} P=1")
+    print(f"{backend}: P=1 forward + backward match the oracle", flush=True)
+    if not virtual:
+        return
     group = LocalEPGroup(2)
     case = gpu_case(302, [96, 70], H, I, L, K)
     config = MoKConfig(max_tokens_per_rank=96, timeout_s=TIMEOUT_S)
     check_against_oracle(case, run_case(case, group.ranks, config, backend, group.streams), f"{backend} virtual P=2")
-    print(f"{backend}: P=1 and virtual P=2 forward + backward match the oracle", flush=True)
+    print(f"{backend}: virtual P=2 forward + backward match the oracle", flush=True)
 
 
 def _expect(error_type, fn, what: str) -> None:
@@ -54,6 +59,18 @@ def _expect(error_type, fn, what: str) -> None:
         print(f"  {what}: {type(err).__name__}: {str(err)[:160]}", flush=True)
         return
     raise AssertionError(f"{what}: expected {error_type.__name__}")
+
+
+def _bad_id_p1(backend: str) -> None:
+    case = gpu_case(305, [64], H, I, L, K)
+    ids = case.ids[0].clone()
+    ids[3, 0] = 1000
+    x, w, fc1, fc2 = leaves(case, 0)
+    y = mok_moe(x, ids, w, fc1, fc2, config=MoKConfig(timeout_s=TIMEOUT_S), backend=backend)
+    torch.cuda.synchronize()
+    assert torch.isnan(y.float()).all()
+    _expect(MoKRuntimeError, check_errors, f"{backend} bad id at P=1")
+    release_workspaces()
 
 
 def _bad_id_on_one_rank(backend: str) -> None:
@@ -92,11 +109,14 @@ def _one_rank_stops(backend: str) -> None:
     _expect(MoKPeerError, lambda: check_errors(group[0]), f"{backend} rank 0 after rank 1 stopped")
 
 
-def _fault_calls(backend: str) -> None:
-    _bad_id_on_one_rank(backend)
-    gc.collect()  # the failed groups (and their workspaces) go before the next
-    _one_rank_stops(backend)
+def _fault_calls(backend: str, virtual: bool) -> None:
+    _bad_id_p1(backend)
     gc.collect()
+    if virtual:
+        _bad_id_on_one_rank(backend)
+        gc.collect()  # the failed groups (and their workspaces) go before the next
+        _one_rank_stops(backend)
+        gc.collect()
     print(f"{backend}: the fault paths end in the documented errors", flush=True)
 
 
@@ -104,12 +124,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("cuda", "megakernel", "both"), default="both")
     parser.add_argument("--faults", action="store_true", help="also run the fault paths")
+    parser.add_argument("--virtual", action="store_true",
+                        help="also two virtual ranks (not under compute-sanitizer: it runs one kernel at a time)")
     args = parser.parse_args(argv)
     backends = ("cuda", "megakernel") if args.backend == "both" else (args.backend,)
     for backend in backends:
-        _clean_calls(backend)
+        _clean_calls(backend, args.virtual)
         if args.faults:
-            _fault_calls(backend)
+            _fault_calls(backend, args.virtual)
         gc.collect()
         release_workspaces()
     torch.cuda.synchronize()
