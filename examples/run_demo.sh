@@ -57,8 +57,9 @@ cat <<'MSG'
 What needs a GPU:
   * Megatron's training loop (pretrain: data loaders, DDP, optimizer, fused kernels) - run this
     script on a CUDA machine and it trains the same model with `python -m megatron_mok.pretrain_gpt`;
-  * MoK's fast backends: `cuda` and `megakernel` run on sm_90 GPUs (H100/H200); on other devices
-    --mok-backend auto falls back to the reference backend shown above;
+  * MoK's fast backends: `cuda` and `megakernel` run on sm_90 GPUs (H100/H200) in bf16; where
+    they cannot run, training with --mok-backend auto stops at start-up and says why
+    (--mok-backend reference runs the reference backend shown above on purpose);
   * the proxy and full-size models of configs/ (examples/gpu_pretrain_compare.sh,
     examples/pretrain_single_node.sh, examples/pretrain_nvl72.sh).
 MSG

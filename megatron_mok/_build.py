@@ -4,9 +4,13 @@ Imports nothing but the standard library, so ``setup.py`` can use it before torc
 The library has a C ABI and includes no PyTorch headers: every ``csrc/src/*.cu`` compiles on
 its own (in parallel) and links into one shared object for sm_90a.
 
-Used by ``setup.py`` (install time) and by :mod:`megatron_mok.ops.library` (first use, into
-a cache folder keyed by the hash of the sources and flags). Also a command:
-``python -m megatron_mok._build [--out DIR]``.
+Used by ``setup.py`` (install time: :func:`install_library`) and by
+:mod:`megatron_mok.ops.library` (first use, into a cache folder keyed by the hash of the sources
+and flags). Also a command: ``python -m megatron_mok._build [--out DIR]``.
+
+The sources are ``csrc/`` beside the package in a source checkout (and an editable install), or
+``megatron_mok/csrc/`` inside an installed wheel: every wheel carries them, so that a wheel built
+without nvcc can build the library on first use where nvcc exists.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -27,7 +30,14 @@ from typing import List, Optional
 LIBRARY_NAME = "libmegatron_mok.so"
 BUILD_INFO_NAME = "build_info.json"
 PACKAGE_DIR = Path(__file__).resolve().parent
-CSRC_DIR = PACKAGE_DIR.parent / "csrc"
+
+
+def _find_csrc() -> Path:
+    inside = PACKAGE_DIR / "csrc"  # an installed wheel carries them in the package
+    return inside if (inside / "src").is_dir() else PACKAGE_DIR.parent / "csrc"
+
+
+CSRC_DIR = _find_csrc()
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 
 
@@ -52,18 +62,6 @@ def find_nvcc() -> Optional[str]:
     return None
 
 
-def cutlass_include_dir() -> Optional[Path]:
-    """Include folder of the CUTLASS/CuTe headers shipped by the ``nvidia-cutlass`` wheel."""
-    override = os.environ.get("MOK_CUTLASS_INCLUDE")
-    if override:
-        return Path(override)
-    spec = importlib.util.find_spec("cutlass_library")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    include = Path(list(spec.submodule_search_locations)[0]) / "source" / "include"
-    return include if (include / "cute").is_dir() else None
-
-
 def source_files(csrc: Path = CSRC_DIR) -> List[Path]:
     """The translation units of the library, sorted."""
     return sorted((csrc / "src").glob("*.cu"))
@@ -71,14 +69,10 @@ def source_files(csrc: Path = CSRC_DIR) -> List[Path]:
 
 def compile_flags(csrc: Path = CSRC_DIR) -> List[str]:
     """nvcc flags shared by every translation unit."""
-    flags = [
+    return [
         "-O3", "-std=c++17", GENCODE, "-Xcompiler=-fPIC,-fvisibility=hidden",
         "--expt-relaxed-constexpr", "-lineinfo", f"-I{csrc / 'include'}",
     ]
-    cutlass = cutlass_include_dir()
-    if cutlass is not None:
-        flags += [f"-I{cutlass}", "-DMOK_HAVE_CUTLASS=1"]
-    return flags
 
 
 def source_hash(csrc: Path = CSRC_DIR) -> str:
@@ -135,6 +129,61 @@ def build_library(out_dir: Path, *, csrc: Path = CSRC_DIR, jobs: Optional[int] =
             "sources": [s.name for s in sources]}
     (out_dir / BUILD_INFO_NAME).write_text(json.dumps(info, indent=1))
     return out_dir / LIBRARY_NAME
+
+
+def recorded_hash(lib_dir: Path) -> Optional[str]:
+    """The source hash ``build_info.json`` in ``lib_dir`` records for the library beside it, or
+    None when either is missing or unreadable."""
+    lib_dir = Path(lib_dir)
+    if not (lib_dir / LIBRARY_NAME).is_file():
+        return None
+    try:
+        return json.loads((lib_dir / BUILD_INFO_NAME).read_text())["source_hash"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def library_is_current(lib_dir: Path, csrc: Path = CSRC_DIR) -> bool:
+    """Whether ``lib_dir`` holds a library built from these sources with these flags."""
+    return recorded_hash(lib_dir) == source_hash(csrc)
+
+
+def install_library(out_dir: Path, *, csrc: Path = CSRC_DIR, reuse_from: Optional[Path] = None,
+                    log=print) -> str:
+    """What ``setup.py`` does for the library: build it into ``out_dir`` unless a current one is
+    already there (an editable install run again with unchanged sources and flags) or in
+    ``reuse_from`` (the source tree's, copied into a wheel); without nvcc, install without it.
+
+    Returns:
+        "current", "copied", "built", "skipped" (``MOK_SKIP_CUDA_BUILD=1``) or "no-nvcc".
+
+    Raises:
+        BuildError: a compile or link step failed.
+    """
+    out_dir = Path(out_dir)
+    if library_is_current(out_dir, csrc):
+        log(f"megatron-mok: the CUDA library in {out_dir} is current (source hash {source_hash(csrc)}), "
+            "not rebuilding it")
+        return "current"
+    if os.environ.get("MOK_SKIP_CUDA_BUILD") == "1":
+        log("megatron-mok: MOK_SKIP_CUDA_BUILD=1, installing without the CUDA library; the package "
+            "carries csrc/, so the first use of a GPU backend builds it where nvcc exists")
+        return "skipped"
+    if reuse_from is not None and Path(reuse_from).resolve() != out_dir.resolve() and library_is_current(reuse_from, csrc):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in (LIBRARY_NAME, BUILD_INFO_NAME):
+            shutil.copy2(Path(reuse_from) / name, out_dir / name)
+        log(f"megatron-mok: using the current CUDA library of {reuse_from} (source hash {source_hash(csrc)})")
+        return "copied"
+    if find_nvcc() is None:
+        log("megatron-mok: nvcc not found, installing without the CUDA library. The package carries "
+            "csrc/: the first use of a GPU backend builds the library with nvcc (CUDA 12.8 or newer) into "
+            "~/.cache/megatron_mok (or $MOK_CACHE_DIR); where there is no nvcc, only the reference backend "
+            "runs (`python -m megatron_mok._build` builds it by hand)")
+        return "no-nvcc"
+    log(f"megatron-mok: building the CUDA library into {out_dir} (a few minutes)")
+    build_library(out_dir, csrc=csrc)
+    return "built"
 
 
 def _run(cmd: List[str], verbose: bool):

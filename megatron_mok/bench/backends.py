@@ -10,7 +10,7 @@ or on its first call.
 from __future__ import annotations
 
 import abc
-
+import contextlib
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -27,9 +27,10 @@ BACKENDS: Dict[str, str] = {
     "mok-megakernel": "MoK megakernel: dispatch, expert FFN and combine in one persistent kernel",
     "mok-cuda": "MoK cuda backend: comm kernels + grouped GEMM",
     "a2a-grouped-mm": "all_to_all_single (NCCL; gloo on CPU) + torch._grouped_mm, plain PyTorch",
-    "megatron-alltoall": "Megatron-Core MoELayer, alltoall dispatcher, SequentialMLP experts (local spec)",
-    "megatron-flex-deepep": "Megatron-Core MoELayer, flex dispatcher on DeepEP, SequentialMLP experts",
-    "megatron-flex-hybridep": "Megatron-Core MoELayer, flex dispatcher on HybridEP, SequentialMLP experts",
+    "megatron-alltoall": "Megatron-Core MoELayer, alltoall dispatcher; experts TEGroupedMLP (Transformer Engine) "
+                         "where TE is installed, else SequentialMLP",
+    "megatron-flex-deepep": "Megatron-Core MoELayer, flex dispatcher on DeepEP; experts as megatron-alltoall",
+    "megatron-flex-hybridep": "Megatron-Core MoELayer, flex dispatcher on HybridEP; experts as megatron-alltoall",
     "reference": "MoK reference backend: pure PyTorch, the oracle (slow)",
 }
 """Every backend the benchmark knows, in the order it runs and reports them."""
@@ -111,6 +112,11 @@ class Runner(abc.ABC):
     def close(self) -> None:
         """Release what the runner holds (a Megatron layer's copy of the weights)."""
 
+    def context(self):
+        """A context manager to run each forward and backward in (Megatron's CPU stand-ins for
+        a Megatron layer on the CPU; nothing else)."""
+        return contextlib.nullcontext()
+
 
 class _LeafGradsRunner(Runner):
     """A runner whose differentiable inputs are the batch's and the experts' leaves."""
@@ -179,18 +185,24 @@ class A2ARunner(_LeafGradsRunner):
 
 class MegatronRunner(Runner):
     """Megatron-Core's MoELayer (:mod:`megatron_mok.bench.megatron_layer`), holding its own
-    copy of the expert weights."""
+    copy of the expert weights; ``expert_module`` names its experts ("TEGroupedMLP" or
+    "SequentialMLP")."""
 
-    def __init__(self, name: str, experts: Experts, topk: int):
+    def __init__(self, name: str, experts: Experts, topk: int, expert_module: str = "auto"):
         self.name = name
         self.experts = experts
         reason = megatron_layer.unavailable_reason(name, experts.fc1_weight.device)
         if reason is not None:
             raise Skip(reason)
         fc1, fc2 = experts.fc1_weight.detach(), experts.fc2_weight.detach()
-        self.layer = megatron_layer.build_layer(
-            name, hidden=fc1.shape[2], ffn_hidden=fc2.shape[2], num_experts=experts.num_experts,
-            topk=topk, ep_size=experts.ep_size, fc1_weight=fc1, fc2_weight=fc2)
+        try:
+            self.layer = megatron_layer.build_layer(
+                name, hidden=fc1.shape[2], ffn_hidden=fc2.shape[2], num_experts=experts.num_experts,
+                topk=topk, ep_size=experts.ep_size, fc1_weight=fc1, fc2_weight=fc2, experts=expert_module)
+        except ValueError as err:  # --megatron-experts te-grouped where TE cannot run
+            raise Skip(str(err)) from err
+        self.expert_module = self.layer.expert_module
+        self._device = fc1.device
         self._batch: Optional[TokenBatch] = None
 
     def _use(self, batch: TokenBatch) -> None:
@@ -208,10 +220,14 @@ class MegatronRunner(Runner):
         self.layer.router.set(self.probs, routing_map)
         self._batch = batch
 
+    def context(self):
+        return megatron_layer.device_context(self._device)
+
     def forward(self, batch: TokenBatch, mark: Mark = None) -> torch.Tensor:
         self._use(batch)
         T, H = self.x.shape
-        out, bias = self.layer(self.x.view(T, 1, H))
+        with self.context():
+            out, bias = self.layer(self.x.view(T, 1, H))
         if bias is not None:
             raise RuntimeError("Megatron's MoE layer returned a bias; the benchmark builds it without")
         return out.view(T, H)
@@ -235,9 +251,10 @@ class MegatronRunner(Runner):
             torch.cuda.empty_cache()
 
 
-def make_runner(name: str, experts: Experts, topk: int, max_tokens: int) -> Runner:
+def make_runner(name: str, experts: Experts, topk: int, max_tokens: int, megatron_experts: str = "auto") -> Runner:
     """Prepare backend ``name`` (a key of :data:`BACKENDS`) for ``experts``, top-``topk``
-    routing and batches of at most ``max_tokens`` tokens per rank.
+    routing and batches of at most ``max_tokens`` tokens per rank (``megatron_experts``: the
+    expert module of the Megatron backends, ``--megatron-experts``).
 
     Raises:
         Skip: when the backend cannot run here, with the reason.
@@ -248,7 +265,7 @@ def make_runner(name: str, experts: Experts, topk: int, max_tokens: int) -> Runn
     if name == "a2a-grouped-mm":
         return A2ARunner(experts)
     if name in megatron_layer.MEGATRON_BACKENDS:
-        return MegatronRunner(name, experts, topk)
+        return MegatronRunner(name, experts, topk, megatron_experts)
     raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
 
 

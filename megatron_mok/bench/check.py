@@ -31,8 +31,9 @@ class Outcome:
 def run_once(runner: Runner, batch: TokenBatch) -> Outcome:
     """Forward and backward of ``runner`` on ``batch`` from zeroed gradients."""
     runner.zero_grad(batch)
-    y = runner.forward(batch)
-    y.backward(batch.dy)
+    with runner.context():
+        y = runner.forward(batch)
+        y.backward(batch.dy)
     grads = runner.grads(batch)
     runner.zero_grad(batch)  # the outcome keeps its own references
     return Outcome(y=y.detach(), grads=grads)

@@ -6,10 +6,16 @@ For every dispatcher it starts ``torchrun --nproc-per-node N`` on the launcher (
 with the model and data flags of ``--args-file`` files and those given after ``--``, plus
 
     <dispatcher flags> --train-iters ITERS --log-interval 1 --eval-iters 0
-    --eval-interval ITERS+1 [--log-throughput]
+    --eval-interval ITERS+1 --log-memory-interval ITERS [--log-throughput]
 
 and reads Megatron's training log (:mod:`megatron_mok.megatron.training_log`). The first
-``--skip-iters`` iterations are warm-up; the step time is the median of the rest.
+``--skip-iters`` iterations are warm-up; the step time is the median of the rest. The report
+(NAME.json, NAME.md, NAME.png) holds per dispatcher the step time, tokens/s per GPU, the peak
+device memory Megatron's memory report shows (max allocated and max reserved over the
+reporting ranks) and the LM-loss curve; the chart overlays the loss curves.
+
+Progress: a line when each dispatcher's run starts, its iterations as they are logged (iteration
+k/ITERS, step time, loss) and a heartbeat every ``--heartbeat-s`` seconds of silence.
 
     python -m megatron_mok.bench e2e --nproc-per-node 2 --dispatchers alltoall,mok \\
         --iters 30 --out bench-results -- $(cat my-model.args)
@@ -30,8 +36,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from . import report
-from ..megatron.training_log import LogError, parse_iterations, parse_log, summarize
+from ..megatron.training_log import LogError, losses, parse_iterations, parse_log, parse_memory, summarize
 from .machine import machine_info, set_safe_env, utc_now
+from .progress import Progress
 
 SCHEMA = "megatron-mok/bench-e2e/1"
 
@@ -115,13 +122,16 @@ def build_command(*, nproc: int, launcher: str, launcher_args: Sequence[str], di
             # Megatron 0.19 divides by --eval-interval even with --eval-iters 0 ("int // NoneType"
             # in get_train_valid_test_num_samples).
             + ["--train-iters", str(iters), "--log-interval", "1", "--eval-iters", "0",
-               "--eval-interval", str(iters + 1)]
+               "--eval-interval", str(iters + 1), "--log-memory-interval", str(iters)]
             + (["--log-throughput"] if throughput else []))
 
 
-def run_logged(cmd: Sequence[str], log_path: str, *, timeout_s: float, echo_all: bool) -> int:
-    """Run ``cmd`` with stdout and stderr into ``log_path``, echoing iteration lines (or all
-    lines); returns its exit status (-9 after a timeout, when its process group is killed)."""
+def run_logged(cmd: Sequence[str], log_path: str, *, timeout_s: float, echo_all: bool,
+               progress: Optional[Progress] = None, iters: Optional[int] = None) -> int:
+    """Run ``cmd`` with stdout and stderr into ``log_path``, reporting its iterations (and error
+    lines) to ``progress``, or echoing every line with ``echo_all``; returns its exit status
+    (-9 after a timeout, when its process group is killed)."""
+    progress = progress or Progress("e2e", enabled=False)
     env = set_safe_env(dict(os.environ))
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     env["PYTHONUNBUFFERED"] = "1"
@@ -132,13 +142,14 @@ def run_logged(cmd: Sequence[str], log_path: str, *, timeout_s: float, echo_all:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                 text=True, bufsize=1, process_group=0)
         timer = _Deadline(proc, timeout_s)
+        progress.phase(f"starting (torchrun, Megatron start-up, model build; limit {timeout_s:.0f} s)")
         try:
             for line in proc.stdout:  # type: ignore[union-attr]
                 log.write(line)
-                shown = line if echo_all else _progress(line)
-                if shown:
-                    sys.stdout.write("    " + shown.rstrip("\n") + "\n")
+                if echo_all:
+                    sys.stdout.write("    " + line.rstrip("\n") + "\n")
                     sys.stdout.flush()
+                _report(line, progress, iters)
             return proc.wait()
         finally:
             timer.cancel()
@@ -147,16 +158,16 @@ def run_logged(cmd: Sequence[str], log_path: str, *, timeout_s: float, echo_all:
                 proc.wait()
 
 
-def _progress(line: str) -> Optional[str]:
-    """A short form of a log line worth echoing (iteration step times, errors), else None."""
+def _report(line: str, progress: Progress, iters: Optional[int]) -> None:
+    """Tell ``progress`` about a log line worth reporting: an iteration (k/ITERS, step time,
+    loss), an error line."""
     parsed = parse_iterations([line])
     if parsed:
         it = parsed[0]
-        return f"iteration {it.iteration}: {it.elapsed_ms:.1f} ms" + (
-            f", lm loss {it.lm_loss:.4f}" if it.lm_loss is not None else "")
-    if "Error" in line or "Traceback" in line:
-        return line
-    return None
+        detail = f", {it.elapsed_ms:.1f} ms" + (f", lm loss {it.lm_loss:.4f}" if it.lm_loss is not None else "")
+        progress.iteration(it.iteration, iters or it.iteration, "training iteration", detail=detail)
+    elif "Error" in line or "Traceback" in line or "error:" in line:
+        progress.line(line.rstrip("\n"))
 
 
 class _Deadline:
@@ -192,29 +203,34 @@ def _error_lines(path: str, limit: int = 8) -> str:
     return "\n".join(found) if found else "".join(lines[-limit:])
 
 
-def run_one(spec: str, args, launcher_args: Sequence[str]) -> Dict[str, object]:
+def run_one(spec: str, args, launcher_args: Sequence[str], progress: Optional[Progress] = None) -> Dict[str, object]:
     """Run the launcher with dispatcher ``spec``; returns the run's JSON record."""
+    progress = progress or Progress("e2e", heartbeat_s=0)
     record: Dict[str, object] = {"dispatcher": spec, "label": dispatcher_label(spec)}
     reason = unavailable_reason(spec)
     if reason is not None:
         record.update(status="skipped", reason=reason)
-        print(f"{record['label']}: skipped: {reason}", flush=True)
+        progress.line(f"skipped: {reason}")
         return record
     cmd = build_command(nproc=args.nproc_per_node, launcher=args.launcher, launcher_args=launcher_args,
                         dispatcher=spec, iters=args.iters, throughput=not args.no_throughput,
                         port=free_port())
     log_path = os.path.join(args.out, f"{args.name}-{spec.replace(':', '-')}.log")
     record.update(command=shlex.join(cmd), log=log_path)
-    print(f"{record['label']}: running ({log_path})", flush=True)
-    code = run_logged(cmd, log_path, timeout_s=args.timeout_s, echo_all=args.verbose)
+    progress.line(f"{args.nproc_per_node} process(es), {args.iters} iterations; log {log_path}")
+    code = run_logged(cmd, log_path, timeout_s=args.timeout_s, echo_all=args.verbose, progress=progress,
+                      iters=args.iters)
     record["returncode"] = code
     if code != 0:
-        why = "timed out" if code == -signal.SIGKILL else f"exit status {code}"
+        why = f"timed out after {args.timeout_s:.0f} s" if code == -signal.SIGKILL else f"exit status {code}"
         record.update(status="failed", reason=f"{why}: {_error_lines(log_path)}\n(log: {log_path})")
-        print(f"{record['label']}: failed ({why}); see {log_path}", flush=True)
+        progress.line(f"failed ({why}); see {log_path}")
         return record
     with open(log_path) as f:
-        margs, iterations = parse_log(f.read())
+        text = f.read()
+    margs, iterations = parse_log(text)
+    record["loss_curve"] = [[it.iteration, it.lm_loss] for it in losses(iterations)]
+    record["memory"] = parse_memory(text.splitlines())
     seen = margs.get("moe_token_dispatcher_type")
     wanted = dispatcher_flags(spec)[1]
     if seen is not None and seen != wanted:
@@ -224,8 +240,12 @@ def run_one(spec: str, args, launcher_args: Sequence[str]) -> Dict[str, object]:
         record.update(summarize(margs, iterations, skip=args.skip_iters))
     except LogError as err:
         record.update(status="failed", reason=str(err))
+        progress.line(f"failed: {err}")
         return record
     record["status"] = "ok"
+    memory = record["memory"]
+    progress.line(f"done: step {record['step_ms']:.1f} ms, {record['tokens_per_s_per_gpu']:.0f} tokens/s/GPU"
+                  + (f", peak memory {memory['max_allocated_mb'] / 1024:.1f} GB allocated" if memory else ""))
     return record
 
 
@@ -252,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-throughput", action="store_true", help="do not pass --log-throughput")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="limit per run, seconds")
     p.add_argument("--verbose", action="store_true", help="echo the whole training log")
+    p.add_argument("--heartbeat-s", type=float, default=60.0,
+                   help="print a 'still ...' line after this many seconds without a new iteration (0: never)")
     p.add_argument("--out", default="bench-results", help="folder for NAME.json, NAME.png, NAME.md and the logs")
     p.add_argument("--name", default="e2e", help="file name stem of the outputs")
     return p
@@ -287,7 +309,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except E2EArgumentError as err:
         parser.error(str(err))
     label = args.label or (os.path.basename(args.args_file[-1]) if args.args_file else "launcher flags")
-    runs = [run_one(spec, args, launcher_args) for spec in specs]
+    progress = Progress("e2e", heartbeat_s=args.heartbeat_s, min_interval_s=0.0)
+    runs = []
+    try:
+        for i, spec in enumerate(specs):
+            progress.set_context(f"{dispatcher_label(spec)} ({i + 1}/{len(specs)})")
+            runs.append(run_one(spec, args, launcher_args, progress))
+    finally:
+        progress.close()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     doc = {
         "schema": SCHEMA,

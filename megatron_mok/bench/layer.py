@@ -12,6 +12,11 @@ would not fit in GPU memory, on up to 16 experts per GPU with the same H, I and 
 ``--check-mode``); then ``--warmup`` untimed and ``--iters`` timed iterations, each forward and
 backward timed separately with CUDA events after the ranks meet; the figure is the median over
 iterations of the slowest rank. TFLOP/s = 6*T*K*H*I / latency (backward: twice the FLOP).
+Megatron's own layer runs with the expert module Megatron users run (``--megatron-experts``:
+TEGroupedMLP where Transformer Engine is installed, else SequentialMLP); the table names it.
+
+Rank 0 prints a progress line for each case, backend and phase (build, check, warm-up and
+timed iterations) and a heartbeat every ``--heartbeat-s`` seconds of silence.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from .backends import BACKENDS, Experts, Skip, TokenBatch, make_runner, parse_ba
 from .check import DEFAULT_TOL, CheckResult, Outcome, compare, run_once
 from .floors import H200, layer_floors, model_flops, rates_with, tflops
 from .machine import Dist, command_line, device_type, init_distributed, machine_info, set_safe_env, utc_now
+from .megatron_layer import EXPERT_MODULES
+from .progress import Progress
 from .routing import ROUTINGS, RoutingSpec, count_routes, make_routing
 from .shapes import SHAPES, BenchCase, ShapeError, make_case, resolve_shape
 from .timing import Stopwatch, align_ranks, gather_floats, slowest_rank_medians
@@ -91,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="layer", help="file name stem of the outputs")
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="seconds a collective waits for a peer before failing")
+    p.add_argument("--megatron-experts", choices=EXPERT_MODULES, default="auto",
+                   help="expert module of the megatron-* backends: auto (TEGroupedMLP where Transformer Engine "
+                        "is installed, else SequentialMLP), te-grouped or sequential")
+    p.add_argument("--heartbeat-s", type=float, default=30.0,
+                   help="print a 'still ...' line after this many seconds without progress (0: never)")
     return p
 
 
@@ -168,8 +180,10 @@ def make_batch(case: BenchCase, routing: RoutingSpec, *, seed: int, device: torc
     return TokenBatch(x=x.requires_grad_(), topk_ids=ids, topk_weights=weights.requires_grad_(), dy=dy)
 
 
-def time_backend(runner, batch: TokenBatch, *, warmup: int, iters: int, env: Dist) -> Dict[str, Dict[str, object]]:
-    """Warm-up, then ``iters`` timed iterations of forward and backward.
+def time_backend(runner, batch: TokenBatch, *, warmup: int, iters: int, env: Dist,
+                 progress: Optional[Progress] = None) -> Dict[str, Dict[str, object]]:
+    """Warm-up, then ``iters`` timed iterations of forward and backward (each reported to
+    ``progress``).
 
     Returns:
         {quantity: {"ms", "per_rank_ms"}} for "forward", "backward" and, for backends that
@@ -180,14 +194,20 @@ def time_backend(runner, batch: TokenBatch, *, warmup: int, iters: int, env: Dis
         runner.zero_grad(batch)
         align_ranks(env.group, env.device)
         sw = Stopwatch(env.device)
-        sw.mark("start")
-        y = runner.forward(batch, mark=lambda name, sw=sw: sw.mark("phase:" + name))
-        sw.mark("forward")
-        y.backward(batch.dy)
-        sw.mark("backward")
-        del y
+        with runner.context():
+            sw.mark("start")
+            y = runner.forward(batch, mark=lambda name, sw=sw: sw.mark("phase:" + name))
+            sw.mark("forward")
+            y.backward(batch.dy)
+            sw.mark("backward")
+            del y
         if it >= warmup:
             watches.append(sw)
+        if progress is not None:
+            if it < warmup:
+                progress.iteration(it + 1, warmup, "warm-up iteration")
+            else:
+                progress.iteration(it + 1 - warmup, iters, "timed iteration")
     runner.zero_grad(batch)
     samples: Dict[str, List[float]] = {"forward": [], "backward": []}
     for sw in watches:
@@ -245,7 +265,7 @@ and slack."""
 
 
 def plan_check(case: BenchCase, routing: RoutingSpec, experts: Experts, batch: TokenBatch,
-               args, env: Dist, seed: int) -> CheckPlan:
+               args, env: Dist, seed: int, progress: Optional[Progress] = None) -> CheckPlan:
     """Choose the check (token slice if the reference fits in memory on every rank, else a
     reduced expert count) and run the reference on it."""
     shape = case.shape
@@ -265,6 +285,9 @@ def plan_check(case: BenchCase, routing: RoutingSpec, experts: Experts, batch: T
         fc1, fc2 = random_weights(few, shape.hidden, shape.ffn_hidden, seed=seed + 103, device=env.device)
         check_experts = Experts(fc1_weight=fc1, fc2_weight=fc2, num_experts=small.num_experts, group=env.group)
         mode = "reduced-experts"
+    if progress is not None:
+        progress.phase(f"reference (the oracle) on {check_batch.x.shape[0]} tokens/GPU, "
+                       f"{check_experts.fc1_weight.shape[0]} experts/GPU ({mode})")
     oracle = run_once(make_runner("reference", check_experts, shape.topk, case.tokens_per_gpu), check_batch)
     return CheckPlan(mode=mode, batch=check_batch, experts=check_experts, oracle=oracle)
 
@@ -272,7 +295,8 @@ def plan_check(case: BenchCase, routing: RoutingSpec, experts: Experts, batch: T
 def check_backend(name: str, runner, plan: CheckPlan, args, env: Dist, case: BenchCase) -> CheckResult:
     """Run backend ``name`` on the plan's batch and compare with the reference's outcome."""
     own = plan.experts is runner.experts
-    check_runner = runner if own else make_runner(name, plan.experts, case.shape.topk, case.tokens_per_gpu)
+    check_runner = runner if own else make_runner(name, plan.experts, case.shape.topk, case.tokens_per_gpu,
+                                                  args.megatron_experts)
     try:
         got = run_once(check_runner, plan.batch)
         return compare(got, plan.oracle, tokens=int(plan.batch.x.shape[0]),
@@ -283,22 +307,30 @@ def check_backend(name: str, runner, plan: CheckPlan, args, env: Dist, case: Ben
 
 
 def run_backend(name: str, case: BenchCase, batch: TokenBatch, experts: Experts,
-                plan: Optional[CheckPlan], floors, args, env: Dist) -> Dict[str, object]:
+                plan: Optional[CheckPlan], floors, args, env: Dist,
+                progress: Optional[Progress] = None) -> Dict[str, object]:
     """Check, then time, one backend on one case. Never raises for a backend's own failure:
     the result says "skipped", "wrong" or "failed" with the reason."""
     shape = case.shape
     result: Dict[str, object] = {"backend": name, "description": BACKENDS[name]}
     runner = None
+    progress = progress or Progress("layer", enabled=False)
     try:
-        runner = make_runner(name, experts, shape.topk, case.tokens_per_gpu)
+        progress.phase("preparing (building the layer, copying the weights)")
+        runner = make_runner(name, experts, shape.topk, case.tokens_per_gpu, args.megatron_experts)
+        if getattr(runner, "expert_module", None):
+            result["expert_module"] = runner.expert_module
+            progress.line(f"experts: {runner.expert_module}")
         if name == "reference":
             result["check"] = {"oracle": True, "passed": True}
         elif plan is not None:
+            progress.phase(f"checking against the reference on {plan.batch.x.shape[0]} tokens/GPU")
             check = check_backend(name, runner, plan, args, env, case)
             result["check"] = {**plan.to_json(), **check.to_json()}
             if not check.passed:
                 raise WrongResult(f"differs from the reference ({check.describe()}; tol {check.tol:g})")
-        stats = time_backend(runner, batch, warmup=args.warmup, iters=args.iters, env=env)
+        progress.phase(f"{args.warmup} warm-up and {args.iters} timed iterations")
+        stats = time_backend(runner, batch, warmup=args.warmup, iters=args.iters, env=env, progress=progress)
         flop = model_flops(case.tokens_per_gpu, shape.topk, shape.hidden, shape.ffn_hidden)
         fwd, bwd = stats["forward"]["ms"], stats["backward"]["ms"]
         result.update({
@@ -334,13 +366,22 @@ def run_backend(name: str, case: BenchCase, batch: TokenBatch, experts: Experts,
         gc.collect()
         if env.device.type == "cuda":
             torch.cuda.empty_cache()
-    return _agree(result, env)
+    result = _agree(result, env)
+    if result["status"] == "ok":
+        progress.line(f"done: forward {result['forward_ms']:.2f} ms, backward {result['backward_ms']:.2f} ms")
+    else:
+        progress.line(f"{result['status']}: {str(result.get('reason', '')).splitlines()[0] if result.get('reason') else ''}")
+    return result
 
 
 def run_case(case: BenchCase, routing: RoutingSpec, backends: Sequence[str], rates, args,
-             env: Dist) -> Dict[str, object]:
+             env: Dist, progress: Optional[Progress] = None, case_index: str = "") -> Dict[str, object]:
     """Every backend on one case; returns the run's JSON record."""
+    progress = progress or Progress("layer", enabled=False)
     shape = case.shape
+    case_text = f"{case.label}, {case.tokens_per_gpu} tokens/GPU{f' (case {case_index})' if case_index else ''}"
+    progress.set_context(case_text)
+    progress.phase("making tokens, weights and routing")
     seed = args.seed * 1_000_003 + env.rank * 7919
     batch = make_batch(case, routing, seed=seed, device=env.device)
     fc1, fc2 = random_weights(case.experts_per_gpu, shape.hidden, shape.ffn_hidden,
@@ -354,8 +395,12 @@ def run_case(case: BenchCase, routing: RoutingSpec, backends: Sequence[str], rat
                           rates=rates)
     plan = None
     if args.check_tokens and any(b != "reference" for b in backends):
-        plan = plan_check(case, routing, experts, batch, args, env, seed)
-    results = [run_backend(name, case, batch, experts, plan, floors, args, env) for name in backends]
+        plan = plan_check(case, routing, experts, batch, args, env, seed, progress)
+    results = []
+    for i, name in enumerate(backends):
+        progress.set_context(f"{case_text} | {name} ({i + 1}/{len(backends)})")
+        results.append(run_backend(name, case, batch, experts, plan, floors, args, env, progress))
+    progress.set_context("")
     del batch, experts, fc1, fc2, plan
     gc.collect()
     if env.device.type == "cuda":
@@ -391,6 +436,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(err))
     set_safe_env()
     env = init_distributed(args.device, args.timeout_s)
+    progress = Progress("layer", enabled=env.rank == 0, heartbeat_s=args.heartbeat_s)
+    progress.line(f"{len(cases)} case(s) x {len(backends)} backend(s) ({', '.join(backends)}) on {env.world} "
+                  f"{'GPU' if env.device.type == 'cuda' else 'CPU process'}(es); {args.warmup} warm-up + "
+                  f"{args.iters} timed iterations each")
     try:
         doc = {
             "schema": SCHEMA,
@@ -401,12 +450,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "tokens_per_gpu": args.tokens, "routing": routing.to_json(), "routing_label": routing.label,
                 "backends": list(backends), "warmup": args.warmup, "iters": args.iters,
                 "check_tokens_per_gpu": args.check_tokens, "dtype": "bf16", "seed": args.seed,
+                "megatron_experts": args.megatron_experts,
             },
             "rates": rates.to_json(),
             "runs": [],
         }
-        for case in cases:
-            run = run_case(case, routing, backends, rates, args, env)
+        for index, case in enumerate(cases):
+            run = run_case(case, routing, backends, rates, args, env, progress, f"{index + 1}/{len(cases)}")
             doc["runs"].append(run)
             if env.rank == 0:
                 print(report.layer_table(run), flush=True)
@@ -420,5 +470,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"wrote {stem}.json, {stem}.png, {stem}.md", flush=True)
         return 0
     finally:
+        progress.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -72,14 +72,21 @@ LAYER_COLUMNS = ("backend", "fwd ms", "fwd TFLOP/s", "fwd/floor", "bwd ms", "bwd
                  "bwd/floor", "comm GB/s", "max rel err")
 
 
+def _backend_label(result: Dict[str, object]) -> str:
+    """The backend's name, with the expert module a Megatron backend ran (e.g.
+    "megatron-alltoall [TEGroupedMLP]")."""
+    module = result.get("expert_module")
+    return f"{result['backend']} [{module}]" if module else str(result["backend"])
+
+
 def _layer_row(result: Dict[str, object]) -> List[str]:
     if result["status"] != "ok":
-        return [result["backend"], f"{result['status']}: {_first_line(result.get('reason', ''))}"]
+        return [_backend_label(result), f"{result['status']}: {_first_line(result.get('reason', ''))}"]
     check = result.get("check") or {}
     errors = [e for e in (check.get("rel_errors") or {}).values() if e is not None]
     err = "oracle" if check.get("oracle") else (f"{max(errors):.1e}" if errors else "unchecked")
     comm = (result.get("comm_GBps") or {}).get("forward")
-    return [result["backend"], _fmt(result["forward_ms"]), _fmt(result["forward_tflops"], 0),
+    return [_backend_label(result), _fmt(result["forward_ms"]), _fmt(result["forward_tflops"], 0),
             _fmt(result["forward_vs_floor"]), _fmt(result["backward_ms"]),
             _fmt(result["backward_tflops"], 0), _fmt(result["backward_vs_floor"]),
             _fmt(comm, 0), err]
@@ -201,14 +208,22 @@ def layer_chart(doc: Dict[str, object], path: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # End-to-end comparison.
 
-E2E_COLUMNS = ("dispatcher", "step ms", "tokens/s/GPU", "TFLOP/s/GPU", "lm loss (last)", "iters")
+E2E_COLUMNS = ("dispatcher", "step ms", "tokens/s/GPU", "TFLOP/s/GPU", "peak GB (alloc/reserved)",
+               "lm loss (last)", "iters")
+
+
+def _peak_memory(run: Dict[str, object]) -> str:
+    memory = run.get("memory")
+    if not memory:
+        return "-"
+    return f"{memory['max_allocated_mb'] / 1024:.1f} / {memory['max_reserved_mb'] / 1024:.1f}"
 
 
 def _e2e_row(run: Dict[str, object]) -> List[str]:
     if run["status"] != "ok":
         return [run["label"], f"{run['status']}: {_first_line(run.get('reason', ''))}"]
     return [run["label"], _fmt(run["step_ms"], 1), _fmt(run["tokens_per_s_per_gpu"], 0),
-            _fmt(run.get("tflops_per_gpu"), 1), _fmt(run.get("lm_loss_last"), 4),
+            _fmt(run.get("tflops_per_gpu"), 1), _peak_memory(run), _fmt(run.get("lm_loss_last"), 4),
             str(run["iterations_measured"])]
 
 
@@ -227,7 +242,8 @@ def e2e_table(doc: Dict[str, object]) -> str:
 
 
 def e2e_markdown(doc: Dict[str, object]) -> str:
-    """Markdown table of an end-to-end document."""
+    """Markdown table of an end-to-end document (peak memory: the largest "max allocated" and
+    "max reserved" of Megatron's memory reports over the reporting ranks)."""
     out = [f"Measured {doc['date_utc']} on {doc['machine']['description']}.", "",
            f"Command: `{doc['command']}`", "",
            "| " + " | ".join(E2E_COLUMNS) + " |", "|" + "---|" * len(E2E_COLUMNS)]
@@ -240,7 +256,8 @@ def e2e_markdown(doc: Dict[str, object]) -> str:
 
 
 def e2e_chart(doc: Dict[str, object], path: str) -> None:
-    """Bar chart of an end-to-end document: tokens/s per GPU and step time per dispatcher."""
+    """Chart of an end-to-end document: tokens/s per GPU, step time and peak memory per
+    dispatcher (bars), and the LM-loss curves of all dispatchers overlaid."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -249,18 +266,35 @@ def e2e_chart(doc: Dict[str, object], path: str) -> None:
     runs = doc["runs"]
     labels = [r["dispatcher"] for r in runs]
     group = [doc["settings"]["config_label"]]
-    fig, axes = plt.subplots(1, 2, figsize=(max(7.0, 1.2 * len(runs) + 5.0), 4.2), squeeze=False)
+    fig, axes = plt.subplots(2, 2, figsize=(max(9.0, 1.2 * len(runs) + 7.0), 8.0), squeeze=False)
     for ax, key, ylabel in ((axes[0][0], "tokens_per_s_per_gpu", "tokens/s per GPU"),
                             (axes[0][1], "step_ms", "step time (ms), median")):
         values = {r["dispatcher"]: [r[key] if r["status"] == "ok" else None] for r in runs}
         _grouped_bars(ax, group, labels, values, labels)
         ax.set_ylabel(ylabel)
         ax.set_title(ylabel.split(",")[0])
+    memory = {r["dispatcher"]: [(r.get("memory") or {}).get("max_allocated_mb", 0) / 1024 or None
+                                if r["status"] == "ok" else None] for r in runs}
+    _grouped_bars(axes[1][0], group, labels, memory, labels)
+    axes[1][0].set_ylabel("GB, max allocated (largest rank)")
+    axes[1][0].set_title("peak device memory")
+    ax = axes[1][1]
+    for r in runs:
+        curve = r.get("loss_curve") or []
+        if curve:
+            ax.plot([c[0] for c in curve], [c[1] for c in curve], label=r["dispatcher"],
+                    color=color_of(r["dispatcher"], labels), linewidth=1.4)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.set_title("loss curves")
+    ax.grid(alpha=0.3)
+    if any(r.get("loss_curve") for r in runs):
+        ax.legend(fontsize=8)
     handles, names = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=min(4, len(names)), fontsize=8, frameon=False)
     fig.suptitle(f"End to end: {doc['settings']['config_label']}, {doc['settings']['nproc_per_node']} x "
                  f"{doc['machine'].get('gpu') or 'CPU'}", fontsize=10)
-    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -41,6 +41,7 @@ SHAPES: Dict[str, MoEShapeSpec] = {
     "kimi-k2": MoEShapeSpec("Kimi-K2", hidden=7168, ffn_hidden=2048, num_experts=384, topk=8),
     "deepseek-v3": MoEShapeSpec("DeepSeek-V3", hidden=7168, ffn_hidden=2048, num_experts=256, topk=8),
     "qwen3-235b": MoEShapeSpec("Qwen3-235B", hidden=4096, ffn_hidden=1536, num_experts=128, topk=8),
+    "qwen3-30b-a3b": MoEShapeSpec("Qwen3-30B-A3B", hidden=2048, ffn_hidden=768, num_experts=128, topk=8),
     "glm-4.5": MoEShapeSpec("GLM-4.5", hidden=5120, ffn_hidden=1536, num_experts=160, topk=8),
 }
 """Named shapes; keys are what ``--shape`` takes (case-insensitive)."""

@@ -12,7 +12,9 @@ Modules, one job each (imports go one way: ``settings`` <- ``arguments`` <- ``la
 
 * ``settings``: :class:`MoKLayerSettings`; ``arguments``: the ``--mok-*`` flags and where a
   layer finds its settings; ``validation``: settings MoK does not support, with reasons;
-  ``peers``: backend availability and the EP peer-access check;
+  ``backend_choice``: which backend the MoE layers run and why (no silent slow path);
+  ``peers``: the EP groups' NVLink domain (NVML fabric information) and peer access;
+  ``startup``: what ``validate_args`` checks, before and after Megatron's own checks;
 * ``routing``: router output to top-k ids/weights; ``experts``: the weights of Megatron's
   expert modules; ``stacking``: those weights as zero-copy [L, ...] tensors;
 * ``layer``: :class:`MoKMoELayer`; ``dispatcher``: :class:`MoKTokenDispatcher`;
@@ -28,6 +30,7 @@ Requires megatron-core 0.19.2.
 """
 
 from .arguments import add_mok_arguments, settings_for, settings_from_args
+from .backend_choice import BackendChoice, MoKBackendError, choose_backend
 from .dispatcher import MoKTokenDispatcher
 from .layer import MOK_DISPATCHER_TYPE, MoKMoELayer
 from .peers import EPTopologyError
@@ -43,6 +46,9 @@ __all__ = [
     "MoKLayerSettings",
     "MoKUnsupportedError",
     "EPTopologyError",
+    "MoKBackendError",
+    "BackendChoice",
+    "choose_backend",
     "MOK_DISPATCHER_TYPE",
     "add_mok_arguments",
     "settings_from_args",

@@ -14,7 +14,7 @@ the MoK layer or the launcher themselves.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 from unittest import mock
 
 import torch
@@ -115,7 +115,9 @@ def cpu_device_patches() -> Iterator[None]:
 
 
 def initialize_cpu_model_parallel(*, tensor_parallel: int = 1, expert_parallel: int = 1,
-                                  pipeline_parallel: int = 1, seed: int = 1234) -> None:
+                                  pipeline_parallel: int = 1, expert_tensor_parallel: Optional[int] = None,
+                                  virtual_pipeline_parallel: Optional[int] = None, context_parallel: int = 1,
+                                  seed: int = 1234) -> None:
     """Megatron's model-parallel groups and RNG tracker over an initialised gloo default group.
 
     Call inside :func:`cpu_device_patches`, after ``torch.distributed.init_process_group("gloo")``.
@@ -123,8 +125,12 @@ def initialize_cpu_model_parallel(*, tensor_parallel: int = 1, expert_parallel: 
     ``torch.compile``, whose CPU compilation takes far longer than the tiny models it serves.
 
     Args:
-        tensor_parallel, expert_parallel, pipeline_parallel: group sizes (the world size must be
-            divisible by tensor_parallel * pipeline_parallel).
+        tensor_parallel, expert_parallel, pipeline_parallel, context_parallel: group sizes (the
+            world size must be divisible by tensor_parallel * context_parallel * pipeline_parallel
+            and by expert_tensor_parallel * expert_parallel * pipeline_parallel).
+        expert_tensor_parallel: the expert layers' tensor-parallel size (Megatron's default,
+            None, is the tensor-parallel size; MoK needs 1).
+        virtual_pipeline_parallel: virtual pipeline stages per rank (None: no interleaving).
         seed: Megatron's model-parallel RNG seed.
     """
     import torch._dynamo
@@ -136,6 +142,9 @@ def initialize_cpu_model_parallel(*, tensor_parallel: int = 1, expert_parallel: 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_parallel,
+        context_parallel_size=context_parallel,
         expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel,
     )
     model_parallel_cuda_manual_seed(seed)

@@ -28,7 +28,6 @@ Megatron's staged methods (``preprocess``, ``dispatch``, ``routed_experts_comput
 
 from __future__ import annotations
 
-import logging
 from typing import Optional, Tuple
 
 import torch
@@ -42,11 +41,12 @@ from ..functional import mok_moe
 from .arguments import settings_for
 from .dispatcher import MoKTokenDispatcher
 from .experts import local_expert_weights, run_forward_pre_hooks, shared_expert_weights
-from .peers import check_ep_peer_access, gpu_backend_will_run
+from .backend_choice import choose_backend, describe_layer_choice, model_dtype
+from .peers import check_ep_group
 from .routing import remap_for_fused_shared, reverse_local_expert_ids, routing_to_topk
 from .settings import MoKLayerSettings
 from .stacking import REVERSED, expert_layout, stack_expert_storage, stack_experts
-from .validation import check_supported, warn_ignored_settings
+from .validation import check_supported, ignored_settings
 
 __all__ = ["MoKMoELayer", "MOK_DISPATCHER_TYPE"]
 
@@ -54,7 +54,26 @@ MOK_DISPATCHER_TYPE = "mok"
 """The value of ``--moe-token-dispatcher-type`` / ``TransformerConfig.moe_token_dispatcher_type``
 that selects this layer."""
 
-log = logging.getLogger("megatron_mok")
+_NOTES_PRINTED: set = set()
+"""Notes about ignored settings already printed by this process (one line per job, not per layer)."""
+
+
+def print_first_rank_of_stage(message: str) -> None:
+    """Print ``message`` on the first rank of each pipeline stage (tensor-, context- and
+    data-parallel rank 0: global rank 0 without pipeline parallelism, as Megatron's
+    ``print_rank_0``), with ``print`` so that any ``--logging-level`` shows it."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            first = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+                     and ps.get_data_parallel_rank() == 0)
+        else:
+            first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    except (ImportError, AssertionError, RuntimeError):
+        first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if first:
+        print(message, flush=True)
 
 
 class MoKMoELayer(MoELayer):
@@ -67,8 +86,14 @@ class MoKMoELayer(MoELayer):
 
     Raises (at construction):
         MoKUnsupportedError: the config asks for something MoK does not do (listed, with reasons).
-        EPTopologyError: a GPU backend would run on an EP group without peer access.
-        BackendUnavailable: ``--mok-backend cuda``/``megakernel`` cannot run on this machine.
+        EPTopologyError: a GPU backend would run on an EP group that is not one NVLink domain.
+        BackendUnavailable: ``--mok-backend cuda``/``megakernel`` cannot run here, or
+            ``auto`` on a CUDA device where no GPU backend can run the layer
+            (``MoKBackendError``: dtype, architecture, shape; ``--mok-backend reference``
+            runs the slow path on purpose).
+
+    At construction the first rank of each pipeline stage prints which backend the layer runs
+    and why (:mod:`.backend_choice`).
     """
 
     def __init__(
@@ -82,7 +107,12 @@ class MoKMoELayer(MoELayer):
     ):
         self.mok_settings: MoKLayerSettings = settings_for(config)
         check_supported(config, self.mok_settings)
-        warn_ignored_settings(config)
+        # The backend this layer runs, decided now (not at the first forward): an explicitly
+        # requested backend that cannot run, or auto where no GPU backend can, fails here.
+        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                  else torch.device("cpu"))
+        dtype = model_dtype(config)
+        self.mok_backend_choice = choose_backend(config, self.mok_settings, device=device, dtype=dtype)
         self.submodules = not_none(submodules)
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
@@ -129,10 +159,36 @@ class MoKMoELayer(MoELayer):
         self.setup_delayed_wgrad_for_dispatch_backward_overlap()
 
         self.ep_size = utils.get_pg_size(self.ep_group)
-        # An explicitly requested GPU backend that cannot run here fails now, not in the first
-        # forward; a GPU backend needs peer access across the EP group.
-        if gpu_backend_will_run(self.mok_settings.backend) and self.ep_size > 1:
-            check_ep_peer_access(self.ep_group)
+        # A GPU backend needs the EP group in one NVLink domain (checked once per group; at
+        # argument validation already when the job was started by torchrun).
+        if self.mok_backend_choice.backend != "reference" and self.ep_size > 1:
+            check_ep_group(self.ep_group)
+        for note in ignored_settings(config):
+            if note not in _NOTES_PRINTED:
+                _NOTES_PRINTED.add(note)
+                print_first_rank_of_stage(note)
+        # The start-up line: once the layer knows its number (TransformerLayer sets it right
+        # after building the MLP; a layer built with a number prints now).
+        self._mok_announce_facts = (device, dtype, is_mtp_layer)
+        self._mok_announced = None
+        if layer_number is not None:
+            self._announce_backend(layer_number)
+
+    def _announce_backend(self, layer_number) -> None:
+        """Print which backend this layer runs and why (once per layer number)."""
+        if layer_number == self._mok_announced:
+            return
+        self._mok_announced = layer_number
+        device, dtype, is_mtp_layer = self._mok_announce_facts
+        print_first_rank_of_stage(describe_layer_choice(
+            self.mok_backend_choice, self.config, self.mok_settings, layer_number=layer_number,
+            is_mtp_layer=is_mtp_layer, device=device, dtype=dtype))
+
+    def set_layer_number(self, layer_number: int):
+        """Megatron's ``set_layer_number`` (the router learns it too), then the start-up line
+        saying which backend this layer runs and why."""
+        super().set_layer_number(layer_number)
+        self._announce_backend(layer_number)
 
     # ------------------------------------------------------------------------------------------
     # The fused path.

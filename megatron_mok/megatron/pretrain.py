@@ -25,6 +25,7 @@ context parallelism, ModelOpt and logit distillation.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -58,20 +59,40 @@ def _reject_unsupported(args) -> None:
         )
 
 
-def _describe_model(model) -> str:
+def _describe_model(chunks) -> str:
+    """One line: parameters of this rank's model chunks, and its MoE layers by class."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    params = sum(p.numel() for p in model.parameters())
-    moe = [m for m in model.modules() if isinstance(m, MoELayer)]
+    params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+    moe = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
     kinds = sorted({type(m).__name__ for m in moe})
-    return f"{params / 1e6:.1f}M parameters on this rank, {len(moe)} MoE layers ({', '.join(kinds) or 'none'})"
+    stages = f" in {len(chunks)} virtual pipeline stages" if len(chunks) > 1 else ""
+    return (f"{params / 1e6:.1f}M parameters on this rank{stages}, {len(moe)} MoE layers "
+            f"({', '.join(kinds) or 'none'})")
+
+
+def _layout(args) -> str:
+    """The parallel layout of the job, e.g. "TP 2 (SP), ETP 1, EP 2, PP 2 x 2 virtual"."""
+    parts = [f"TP {args.tensor_model_parallel_size}" + (" (SP)" if args.sequence_parallel else "")]
+    if args.context_parallel_size > 1:
+        parts.append(f"CP {args.context_parallel_size}")
+    parts.append(f"ETP {args.expert_tensor_parallel_size}")
+    parts.append(f"EP {args.expert_model_parallel_size}")
+    pp = f"PP {args.pipeline_model_parallel_size}"
+    if args.virtual_pipeline_model_parallel_size:
+        pp += f" x {args.virtual_pipeline_model_parallel_size} virtual"
+    parts.append(pp)
+    return ", ".join(parts)
 
 
 def build_model_without_gpu(args, model_cfg) -> str:
-    """Build this rank's model stage on the meta device, on a machine without a GPU.
+    """Build this rank's model (every virtual pipeline stage of its pipeline stage) on the meta
+    device, on a machine without a GPU.
 
     Runs every layer constructor (the MoK layer's start-up checks included) over a gloo
-    process group, allocating no parameter memory. Returns a one-line description.
+    process group with the job's tensor-, context-, expert-, expert-tensor- and
+    pipeline-parallel groups, allocating no parameter memory. Returns a one-line description
+    (rank, layout, parameters, MoE layers).
     """
     import torch.distributed as dist
 
@@ -86,22 +107,69 @@ def build_model_without_gpu(args, model_cfg) -> str:
         os.environ.setdefault("MASTER_PORT", "29533")
         dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size)
     meta = torch.device("meta")
+    virtual = args.virtual_pipeline_model_parallel_size
     with cpu_device_patches():
         initialize_cpu_model_parallel(tensor_parallel=args.tensor_model_parallel_size,
                                       expert_parallel=args.expert_model_parallel_size,
-                                      pipeline_parallel=args.pipeline_model_parallel_size, seed=args.seed)
+                                      expert_tensor_parallel=args.expert_tensor_parallel_size,
+                                      pipeline_parallel=args.pipeline_model_parallel_size,
+                                      virtual_pipeline_parallel=virtual,
+                                      context_parallel=args.context_parallel_size, seed=args.seed)
         model_cfg.transformer.use_cpu_initialization = False
-        with torch.device("meta"), _current_device(meta):
-            model = GPTModelBuilder(model_cfg).build_model(ProcessGroupCollection.use_mpu_process_groups())
-        description = _describe_model(model)
+        model_cfg.transformer.init_model_with_meta_device = True  # no embedding all-reduce across stages
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        with torch.device("meta"), _current_device(meta), _torch_norm_with_sequence_parallel() as stand_in:
+            builder = GPTModelBuilder(model_cfg)
+            chunks = [builder.build_model(pg_collection, vp_stage=vp) for vp in (range(virtual) if virtual else [None])]
+        description = f"rank {args.rank} (pipeline stage {stage}; {_layout(args)}): {_describe_model(chunks)}"
+        if stand_in:
+            description += (" (its norms are torch's, standing in for the sequence-parallel norms of Transformer "
+                            "Engine or Apex, which this machine lacks and a GPU run with --sequence-parallel needs)")
         parallel_state.destroy_model_parallel()
     return description
+
+
+@contextlib.contextmanager
+def _torch_norm_with_sequence_parallel():
+    """On the meta device only: Megatron's local spec without Apex normalises with torch's norms
+    (``WrappedTorchNorm``), which refuse sequence parallelism; a GPU job with
+    ``--sequence-parallel`` runs Transformer Engine's or Apex's norms instead. So that the dry run
+    can build tensor-parallel layouts with sequence parallelism, a torch norm is built here from
+    the config as if sequence parallelism were off (its parameters are the same). Yields a list
+    that is non-empty when a stand-in was built."""
+    import copy
+    from unittest import mock
+
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+    used = []
+
+    def __new__(cls, config, *args, **kwargs):
+        if getattr(config, "sequence_parallel", False):
+            used.append(True)
+            config = copy.copy(config)
+            config.sequence_parallel = False
+        return original(cls, config, *args, **kwargs)
+
+    with mock.patch.object(torch_norm.WrappedTorchNorm, "__new__", __new__):
+        yield used
 
 
 def _current_device(device):
     from unittest import mock
 
     return mock.patch("torch.cuda.current_device", lambda: device)
+
+
+def _validate_for_hopper_without_a_gpu() -> None:
+    """Without a GPU, Megatron's ``validate_args`` cannot ask the GPU's architecture (it does
+    with tensor or context parallelism, to decide the CUDA_DEVICE_MAX_CONNECTIONS rule): the
+    CPU dry run validates for the GPUs MoK targets, Hopper (sm_90)."""
+    from megatron.training import arguments as megatron_arguments
+
+    megatron_arguments.get_device_arch_version = lambda: 9
 
 
 def _use_prebuilt_dataset_helpers() -> None:
@@ -134,7 +202,10 @@ def main(argv: Optional[Sequence[str]] = None, *, program_start: Optional[float]
 
     from ..config import MoKConfigError
     from ..functional import BackendUnavailable
+    from .peers import EPTopologyError
     from .validation import MoKUnsupportedError
+
+    startup_errors = (MoKUnsupportedError, MoKConfigError, BackendUnavailable, EPTopologyError)
 
     main_entry = time.time()
     register()
@@ -143,20 +214,20 @@ def main(argv: Optional[Sequence[str]] = None, *, program_start: Optional[float]
     program_start = main_entry if program_start is None else program_start
     set_startup_timestamps(program_start=program_start, main_entry=main_entry)
     run_pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    if not torch.cuda.is_available():
+        _validate_for_hopper_without_a_gpu()
     try:
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-    except (MoKUnsupportedError, MoKConfigError) as err:
-        print(f"mok-pretrain-gpt: error: {err}", file=sys.stderr, flush=True)
-        return 2
+    except startup_errors as err:
+        return _startup_error(err)
     _reject_unsupported(args)
     model_cfg = gpt_config_from_args(args)
 
     if not torch.cuda.is_available():
         try:
             description = build_model_without_gpu(args, model_cfg)
-        except (MoKUnsupportedError, BackendUnavailable) as err:
-            print(f"mok-pretrain-gpt: error: {err}", file=sys.stderr, flush=True)
-            return 2
+        except startup_errors as err:
+            return _startup_error(err)
         print(
             f"mok-pretrain-gpt: no CUDA GPU on this machine. Arguments parsed and validated "
             f"(--moe-token-dispatcher-type {args.moe_token_dispatcher_type}); model built on the "
@@ -170,8 +241,23 @@ def main(argv: Optional[Sequence[str]] = None, *, program_start: Optional[float]
     print_rank_0(f"> megatron-mok {__version__}: --moe-token-dispatcher-type "
                  f"{args.moe_token_dispatcher_type}" + (f", --mok-backend {args.mok_backend}"
                                                         if args.moe_token_dispatcher_type == "mok" else ""))
+    length = (f"{args.train_iters} iterations" if args.train_iters else f"{args.train_samples} samples")
+    print_rank_0(f"> megatron-mok: Megatron's training loop, {length}; it prints an "
+                 f"iteration line every {args.log_interval} (--log-interval), and each MoE layer says which "
+                 "MoK backend it runs when it is built")
     full_config = pretrain_cfg_container_from_args(args, model_cfg)
     _use_prebuilt_dataset_helpers()
-    run_pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
-                 store=store, get_embedding_ranks=get_embedding_ranks)
+    try:
+        run_pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
+                     store=store, get_embedding_ranks=get_embedding_ranks)
+    except startup_errors as err:  # raised by a MoK layer's constructor inside pretrain()
+        return _startup_error(err)
     return 0
+
+
+def _startup_error(err: BaseException) -> int:
+    """Print a start-up error once per host (local rank 0; every rank of a host sees the same
+    GPUs and flags) without a traceback; returns the exit status 2."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"mok-pretrain-gpt: error: {err}", file=sys.stderr, flush=True)
+    return 2

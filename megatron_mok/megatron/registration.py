@@ -7,7 +7,9 @@ Megatron-Core has no dispatcher registry, so registration patches the three plac
    gains ``'mok'``, so ``--moe-token-dispatcher-type mok`` parses;
 2. ``megatron.training.arguments.add_megatron_arguments`` gains the ``--mok-*`` flags
    (:mod:`.arguments`), and ``validate_args`` checks their values and, with ``mok``, the model
-   settings MoK does not support (:mod:`.validation`), before anything is built;
+   settings MoK does not support (:mod:`.validation`; before Megatron's own checks, so MoK's
+   advice comes first), the backend the MoE layers will run (:mod:`.backend_choice`) and the EP
+   groups' NVLink domain (:mod:`.peers`), before anything is built (:mod:`.startup`);
 3. ``MoELayer.__new__`` returns a :class:`~.layer.MoKMoELayer` when the config's dispatcher type
    is ``'mok'``. Every spec function (``get_gpt_layer_local_submodules``,
    ``get_gpt_layer_with_transformer_engine_spec``, ``get_gpt_decoder_block_spec``, the MTP
@@ -68,7 +70,7 @@ def _patch_argument_parser() -> None:
     if getattr(megatron_arguments, _MARK, False):
         return
     from .arguments import add_mok_arguments, settings_from_args
-    from .validation import check_supported
+    from .startup import check_args_before_megatron, check_job_after_megatron
 
     original_add = megatron_arguments.add_megatron_arguments
     original_validate = megatron_arguments.validate_args
@@ -77,12 +79,18 @@ def _patch_argument_parser() -> None:
         return add_mok_arguments(original_add(parser))
 
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's own signature
-        result = original_validate(args, defaults)
         settings = settings_from_args(args)  # raises MoKConfigError for a bad --mok-* value
-        if getattr(args, "moe_token_dispatcher_type", None) == MOK_DISPATCHER_TYPE and getattr(args, "num_experts", None):
-            # The same check the layer runs at construction, here at start-up, before any
-            # process group or model exists.
-            check_supported(megatron_arguments.core_transformer_config_from_args(args), settings)
+        uses_mok = (getattr(args, "moe_token_dispatcher_type", None) == MOK_DISPATCHER_TYPE
+                    and bool(getattr(args, "num_experts", None)))
+        if uses_mok:
+            # MoK's own checks first: for a setting MoK refuses, the user reads MoK's reason and
+            # advice, not the assertion Megatron's checks raise for a non-alltoall dispatcher.
+            check_args_before_megatron(args, settings)
+        result = original_validate(args, defaults)
+        if uses_mok:
+            # The checks the layer runs at construction, here at start-up, before any process
+            # group or model exists: unsupported settings, the backend, the EP group's NVLink domain.
+            check_job_after_megatron(args, megatron_arguments.core_transformer_config_from_args(args), settings)
         return result
 
     add_megatron_arguments.__doc__ = original_add.__doc__

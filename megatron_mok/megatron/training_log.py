@@ -17,6 +17,11 @@ serves two readers:
 * ``examples/compare_logs.py``, an ``alltoall`` run next to a ``mok`` run: :func:`summarize_run`,
   :func:`compare_losses` and :func:`compare_curves` over the iterations that carry an LM loss.
 
+:func:`parse_memory` reads the memory reports Megatron prints (``[Rank 0] (after 30 iterations)
+memory (MB) | allocated: ... | max allocated: ... | reserved: ... | max reserved: ...``, after
+the first logged iteration and every ``--log-memory-interval`` iterations): the peak over the
+run and the ranks that report.
+
 The parser is plain Python: it imports no Megatron code.
 """
 
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = [
-    "LogError", "Iteration", "parse_log", "parse_args_block", "parse_iterations", "losses",
+    "LogError", "Iteration", "parse_log", "parse_args_block", "parse_iterations", "losses", "parse_memory",
     "summarize", "RunSummary", "summarize_run", "compare_losses", "CurveComparison", "compare_curves",
 ]
 
@@ -40,6 +45,7 @@ _TFLOPS = re.compile(r"throughput per GPU \(TFLOP/s/GPU\):\s*([0-9.]+)")
 _BATCH = re.compile(r"global batch size:\s*(\d+)")
 _LOSS = re.compile(r"\blm loss:\s*([-+0-9.eE]+)")
 _TOKENS = re.compile(r"tokens per second per GPU[^:|]*:\s*([0-9.]+)")
+_MEMORY = re.compile(r"\[Rank (\d+)\].*memory \(MB\).*\| max allocated:\s*([0-9.]+).*\| max reserved:\s*([0-9.]+)")
 
 
 class LogError(ValueError):
@@ -119,6 +125,27 @@ def parse_log(text: str) -> Tuple[Dict[str, str], List[Iteration]]:
     """(arguments, iterations) of a whole log."""
     lines = text.splitlines()
     return parse_args_block(lines), parse_iterations(lines)
+
+
+def parse_memory(lines: Sequence[str]) -> Optional[Dict[str, object]]:
+    """The peak device memory Megatron's memory reports show, or None when the log has none.
+
+    Returns:
+        {"max_allocated_mb": largest "max allocated" of any report, "max_reserved_mb": largest
+        "max reserved", "ranks": the ranks that reported, sorted}. PyTorch's "max" figures are
+        peaks since the process started, so the last report of a rank holds its peak.
+    """
+    allocated = reserved = 0.0
+    ranks = set()
+    for line in lines:
+        m = _MEMORY.search(line)
+        if m:
+            ranks.add(int(m.group(1)))
+            allocated = max(allocated, float(m.group(2)))
+            reserved = max(reserved, float(m.group(3)))
+    if not ranks:
+        return None
+    return {"max_allocated_mb": allocated, "max_reserved_mb": reserved, "ranks": sorted(ranks)}
 
 
 def losses(iterations: Sequence[Iteration]) -> List[Iteration]:

@@ -6,20 +6,25 @@ dtype, the router weight applied to each expert's output. :func:`unsupported_set
 lists every setting of a ``TransformerConfig`` that asks for something else, each with the
 reason and what to do instead; :func:`check_supported` raises them all at once, before any
 parameter is allocated.
+
+:func:`check_supported_args` runs the same checks on Megatron's parsed command line before
+Megatron validates it, so that for a setting MoK refuses or replaces (``--moe-shared-expert-overlap``,
+``--overlap-moe-expert-parallel-comm``, ``--moe-enable-deepep``, ``--recompute-modules moe_act``
+without grouped GEMM, ...) the user reads MoK's reason and advice, not the assertion
+Megatron's own checks (``validate_args``, ``TransformerConfig.__post_init__``) raise for a
+dispatcher type other than alltoall/flex.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, List
 
 import torch.nn.functional as F
 
 from .settings import MoKLayerSettings
 
-__all__ = ["MoKUnsupportedError", "unsupported_settings", "check_supported", "warn_ignored_settings"]
-
-log = logging.getLogger("megatron_mok")
+__all__ = ["MoKUnsupportedError", "unsupported_settings", "check_supported", "check_supported_args",
+           "config_view_of_args", "ignored_settings"]
 
 _PREFIX = "--moe-token-dispatcher-type mok"
 _EXPERT_OFFLOAD_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")
@@ -31,7 +36,20 @@ class MoKUnsupportedError(ValueError):
 
 
 def _name(value: Any) -> str:
+    if isinstance(value, str):
+        return value
     return getattr(value, "__name__", None) or getattr(value, "name", None) or repr(value)
+
+
+def _graph_modules(config: Any) -> List[str]:
+    """The modules per-layer CUDA graphs capture, as names; empty: the whole layer. Reads
+    ``cuda_graph_modules`` (or its deprecated name ``cuda_graph_scope``) before or after
+    ``__post_init__`` normalised it ("full" is the whole layer)."""
+    value = getattr(config, "cuda_graph_scope", None) or getattr(config, "cuda_graph_modules", None) or []
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        value = [value]
+    names = [_name(m) for m in value]
+    return [] if names == ["full"] else names
 
 
 def unsupported_settings(config: Any, settings: MoKLayerSettings) -> List[str]:
@@ -104,7 +122,23 @@ def unsupported_settings(config: Any, settings: MoKLayerSettings) -> List[str]:
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         bad("overlap_moe_expert_parallel_comm", True,
             "MoK overlaps communication with the expert GEMMs inside one kernel and has no "
-            "separate dispatch/combine stages for the 1F1B all-to-all overlap schedule; remove the flag")
+            "separate dispatch/combine stages for the 1F1B all-to-all overlap schedule; remove "
+            "--overlap-moe-expert-parallel-comm")
+    if getattr(config, "ep_overlap_early_attn_memory_release", False):
+        bad("ep_overlap_early_attn_memory_release", True,
+            "it belongs to the 1F1B all-to-all overlap schedule, which MoK does not use; remove "
+            "--ep-overlap-early-attn-memory-release")
+    if getattr(config, "moe_enable_deepep", False):
+        bad("moe_enable_deepep", True,
+            "DeepEP is a backend of Megatron's flex dispatcher; MoK does its own dispatch and combine "
+            "(pull and push over NVLink inside its kernels); remove --moe-enable-deepep")
+    modules = [_name(m) for m in (getattr(config, "recompute_modules", None) or [])]
+    if (getattr(config, "recompute_granularity", None) == "selective" and "moe_act" in modules
+            and not getattr(config, "moe_grouped_gemm", False)):
+        bad("recompute_modules", modules,
+            "'moe_act' recomputes the expert activation of Megatron's grouped-GEMM experts; the MoK "
+            "layer keeps the SwiGLU activations inside its op, so it has nothing to recompute there; "
+            "use --recompute-modules moe (recompute the whole MoE layer) or drop moe_act")
     for setting in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"):
         if getattr(config, setting, False):
             bad(setting, True,
@@ -127,7 +161,7 @@ def unsupported_settings(config: Any, settings: MoKLayerSettings) -> List[str]:
             "the MoK layer cannot be captured in a CUDA graph yet; use per-layer graphs of "
             "attention only (--cuda-graph-modules attn) or none")
     elif graph_impl in ("local", "transformer_engine"):
-        modules = [_name(m) for m in (getattr(config, "cuda_graph_modules", None) or [])]
+        modules = _graph_modules(config)
         captured = [m for m in modules if m in _MOE_GRAPH_MODULES]
         if not modules or captured:
             bad("cuda_graph_modules", modules or "whole layer",
@@ -173,18 +207,59 @@ def check_supported(config: Any, settings: MoKLayerSettings) -> None:
         raise MoKUnsupportedError(f"{_PREFIX} does not support these settings:\n  - {listed}")
 
 
-def warn_ignored_settings(config: Any) -> None:
-    """Log settings that the MoK layer accepts but that have no effect on it."""
-    modules = getattr(config, "recompute_modules", None) or []
+def ignored_settings(config: Any) -> List[str]:
+    """Settings the MoK layer accepts but that have no effect on it, as messages (the layer
+    prints them at start-up)."""
+    modules = [_name(m) for m in (getattr(config, "recompute_modules", None) or [])]
     if getattr(config, "recompute_granularity", None) == "selective" and "moe_act" in modules:
-        _warn_once("megatron-mok: --recompute-modules moe_act has no effect on the MoK layer (the "
-                   "SwiGLU activations live inside the MoK op); use 'moe' to recompute the whole layer")
+        return ["megatron-mok: recompute_modules=moe_act has no effect on the MoK layer (the SwiGLU "
+                "activations live inside the MoK op); use --recompute-modules moe to recompute the whole layer"]
+    return []
 
 
-_WARNED: set = set()
+_ARGS_ONLY = {
+    # TransformerConfig field -> how the parsed (not yet validated) arguments give it.
+    "num_moe_experts": lambda a: getattr(a, "num_experts", None) or None,
+}
 
 
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        log.warning(message)
+def config_view_of_args(args: Any) -> Any:
+    """The ``TransformerConfig`` fields MoK's checks read, taken from Megatron's parsed command
+    line as ``core_transformer_config_from_args`` would set them (before ``validate_args`` has
+    filled in defaults): ``--swiglu`` gives ``gated_linear_unit`` and ``activation_func``,
+    ``--expert-tensor-parallel-size`` defaults to the tensor-parallel size, a negative
+    capacity factor means none. Every other field keeps the argument of the same name."""
+    from types import SimpleNamespace
+
+    view = SimpleNamespace(**vars(args))
+    if getattr(args, "swiglu", False):
+        view.gated_linear_unit, view.activation_func = True, F.silu
+    elif getattr(args, "quick_geglu", False):
+        view.gated_linear_unit, view.activation_func = True, "quick_gelu"
+    elif getattr(args, "squared_relu", False):
+        view.gated_linear_unit, view.activation_func = False, "squared_relu"
+    else:
+        view.gated_linear_unit, view.activation_func = False, F.gelu
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if getattr(args, "expert_tensor_parallel_size", None) is None:
+        view.expert_tensor_parallel_size = tp
+    capacity = getattr(args, "moe_expert_capacity_factor", None)
+    if capacity is not None and capacity < 0:
+        view.moe_expert_capacity_factor = None
+    for field, value in _ARGS_ONLY.items():
+        setattr(view, field, value(args))
+    if getattr(args, "recompute_granularity", None) == "selective" and getattr(args, "recompute_modules", None) is None:
+        view.recompute_modules = ["core_attn"]
+    return view
+
+
+def check_supported_args(args: Any, settings: MoKLayerSettings) -> None:
+    """:func:`check_supported` on Megatron's parsed command line (:func:`config_view_of_args`),
+    to run before Megatron's ``validate_args``: a setting MoK refuses is reported with MoK's
+    reason even where Megatron's own checks would refuse it first for a dispatcher other
+    than alltoall/flex.
+
+    Raises:
+        MoKUnsupportedError: listing every unsupported setting.
+    """
+    check_supported(config_view_of_args(args), settings)

@@ -4,9 +4,11 @@ Search order of :func:`load_library`:
 
 1. ``$MOK_LIBRARY`` (a path to ``libmegatron_mok.so``), if set: used as is;
 2. ``megatron_mok/lib/libmegatron_mok.so`` built by ``setup.py``, when its recorded source
-   hash matches ``csrc/`` (or when the sources are not shipped);
+   hash matches the sources (``csrc/`` of a checkout, ``megatron_mok/csrc/`` of a wheel; a
+   library without sources beside it is used as is);
 3. the cache ``$MOK_CACHE_DIR`` (default ``~/.cache/megatron_mok``)/<source hash>/;
-4. a build into that cache folder with nvcc (a file lock keeps concurrent ranks to one build).
+4. a build into that cache folder with nvcc (a file lock keeps concurrent ranks to one build;
+   the process that builds says so on stderr, the build takes minutes).
 
 Loading needs no GPU; launching does. Each kernel family's Python module declares the C
 signatures it calls with :meth:`MokLibrary.function`.
@@ -16,8 +18,8 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import json
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Optional
@@ -86,19 +88,15 @@ def _packaged_library() -> Optional[Path]:
     if not lib.is_file():
         return None
     if not _build.CSRC_DIR.is_dir():
-        return lib  # installed from a wheel: the sources are not here to compare against
-    try:
-        recorded = json.loads((lib_dir / _build.BUILD_INFO_NAME).read_text())["source_hash"]
-    except (OSError, ValueError, KeyError):
-        return None
-    return lib if recorded == _build.source_hash() else None
+        return lib  # no sources to compare against (an older wheel): use it as it is
+    return lib if _build.library_is_current(lib_dir) else None
 
 
 def _cached_or_built_library() -> Path:
     if not _build.CSRC_DIR.is_dir():
         raise LibraryUnavailable(
-            "the package has no built library and no csrc/ sources to build one from; "
-            "reinstall megatron-mok with nvcc on PATH"
+            f"the package has no built library and no CUDA sources to build one from ({_build.CSRC_DIR} "
+            "is missing); reinstall megatron-mok from a checkout or a wheel of this version"
         )
     folder = cache_root() / _build.source_hash()
     lib = folder / _build.LIBRARY_NAME
@@ -109,7 +107,15 @@ def _cached_or_built_library() -> Path:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         try:
             if not lib.is_file():
+                if _build.find_nvcc() is None:
+                    raise _build.BuildError(
+                        "nvcc was not found (looked at $MOK_NVCC, $CUDA_HOME/bin, PATH, /usr/local/cuda/bin) and "
+                        "this installation has no built library; install the CUDA toolkit (12.8 or newer, for "
+                        "sm_90a) or set CUDA_HOME, then run again (or `python -m megatron_mok._build`)")
+                print(f"megatron-mok: building the MoK CUDA library (first use of this version; a few minutes) "
+                      f"into {folder} with {_build.find_nvcc()}", file=sys.stderr, flush=True)
                 _build.build_library(folder)
+                print(f"megatron-mok: built {lib}", file=sys.stderr, flush=True)
         except _build.BuildError as err:
             raise LibraryUnavailable(f"building the MoK CUDA library failed: {err}") from err
         finally:

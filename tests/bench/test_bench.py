@@ -5,8 +5,10 @@ that write the JSON, PNG and Markdown outputs."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -118,7 +120,9 @@ def test_named_shapes_and_custom():
     kimi = resolve_shape("Kimi-K2")
     assert (kimi.hidden, kimi.ffn_hidden, kimi.num_experts, kimi.topk) == (7168, 2048, 384, 8)
     assert resolve_shape("deepseek-v3").num_experts == 256
-    assert set(SHAPES) == {"kimi-k2", "deepseek-v3", "qwen3-235b", "glm-4.5"}
+    assert set(SHAPES) == {"kimi-k2", "deepseek-v3", "qwen3-235b", "qwen3-30b-a3b", "glm-4.5"}
+    qwen = resolve_shape("qwen3-30b-a3b")
+    assert (qwen.name, qwen.hidden, qwen.ffn_hidden, qwen.num_experts, qwen.topk) == ("Qwen3-30B-A3B", 2048, 768, 128, 8)
     custom = resolve_shape("custom", hidden=64, ffn_hidden=32, num_experts=8, topk=2)
     assert custom.name == "custom" and custom.topk == 2
     changed = resolve_shape("kimi-k2", topk=4)
@@ -251,7 +255,13 @@ def test_layer_run_on_gloo_writes_checked_results(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "== custom, 4 exp/GPU | 48 tokens/GPU | 2 GPU(s)" in proc.stdout
-    assert "megatron-alltoall  skipped: Megatron-Core's MoE token dispatchers" in proc.stdout
+    # Megatron's own layer runs on the CPU too (gloo, Megatron's CPU stand-ins), with the experts
+    # users run where there is no Transformer Engine.
+    assert re.search(r"megatron-alltoall \[SequentialMLP\] +[0-9.]+ ", proc.stdout), proc.stdout
+    # Progress on rank 0: case, backend, phase, iteration counts.
+    assert ("[layer] custom, 4 exp/GPU, 48 tokens/GPU (case 1/2) | megatron-alltoall (3/4): checking against the "
+            "reference on 16 tokens/GPU") in proc.stdout
+    assert "| megatron-alltoall (3/4): timed iteration 2/2 done" in proc.stdout
     assert "mok-cuda" in proc.stdout and "skipped: backend='cuda' cannot run" in proc.stdout
 
     doc = json.loads((out / "small.json").read_text())
@@ -281,7 +291,9 @@ def test_layer_run_on_gloo_writes_checked_results(tmp_path):
         results = {r["backend"]: r for r in run["results"]}
         assert list(results) == ["mok-cuda", "a2a-grouped-mm", "megatron-alltoall", "reference"]
         assert results["mok-cuda"]["status"] == "skipped"
-        assert results["megatron-alltoall"]["status"] == "skipped"
+        megatron = results["megatron-alltoall"]
+        assert megatron["status"] == "ok" and megatron["expert_module"] == "SequentialMLP", megatron
+        assert megatron["check"]["passed"]
         base = results["a2a-grouped-mm"]
         assert base["status"] == "ok", base
         check = base["check"]
@@ -380,6 +392,10 @@ FAKE_LAUNCHER = textwrap.dedent('''
             print(f" [2026-11-29 12:00:00.000000] iteration {i:8d}/{a.train_iters:8d} | elapsed time "
                   f"per iteration (ms): {ms:.1f} | global batch size: {a.global_batch_size:5d} | "
                   f"lm loss: {9.0 - i * 0.5:.6E} |")
+            if i in (1, a.train_iters):
+                peak = {"alltoall": 2048.0, "mok": 1024.0}[a.moe_token_dispatcher_type] * (2 if i > 1 else 1)
+                print(f"[Rank 0] (after {i} iterations) memory (MB) | allocated: 100.0 | max allocated: "
+                      f"{peak:.2f} | reserved: 3000.0 | max reserved: {peak + 512:.2f}")
 ''')
 
 
@@ -403,7 +419,9 @@ def test_e2e_with_a_fake_launcher(tmp_path, capsys):
         os.environ.update(old)
     assert code == 1  # the allgather run failed
     printed = capsys.readouterr().out
-    assert "flex-deepep: skipped: DeepEP is not installed" in printed
+    assert "[e2e] flex-deepep (3/4): skipped: DeepEP is not installed" in printed
+    assert "[e2e] mok (cuda) (2/4): training iteration 5/5 done, 101.0 ms, lm loss 6.5000" in printed
+    assert "[e2e] mok (cuda) (2/4): done: step 100.5 ms" in printed and "peak memory 2.0 GB allocated" in printed
     doc = json.loads((out / "e2e.json").read_text())
     assert doc["schema"] == "megatron-mok/bench-e2e/1"
     assert doc["settings"]["launcher_args"] == ["--seq-length", "128", "--global-batch-size", "16",
@@ -414,6 +432,9 @@ def test_e2e_with_a_fake_launcher(tmp_path, capsys):
     assert a2a["status"] == mok["status"] == "ok"
     assert "--moe-token-dispatcher-type mok --mok-backend cuda" in mok["command"]
     assert "--train-iters 5 --log-interval 1 --eval-iters 0 --eval-interval 6" in mok["command"]
+    assert "--log-memory-interval 5" in mok["command"]
+    assert a2a["memory"] == {"max_allocated_mb": 4096.0, "max_reserved_mb": 4608.0, "ranks": [0]}
+    assert mok["loss_curve"] == [[i, 9.0 - i * 0.5] for i in range(1, 6)]
     assert a2a["step_ms_per_iteration"] == [200.0, 201.0, 200.0, 201.0]
     assert a2a["step_ms"] == 200.5 and mok["step_ms"] == 100.5
     assert a2a["tokens_per_s_per_gpu"] == pytest.approx(16 * 256 / 0.2005 / 2)
@@ -425,7 +446,7 @@ def test_e2e_with_a_fake_launcher(tmp_path, capsys):
     md = (out / "e2e.md").read_text()
     # Both fake ranks print the error; their stderr may interleave within a line, so only the
     # start of the reason is fixed.
-    assert "| mok (cuda) | 100.5 |" in md
+    assert "| mok (cuda) | 100.5 |" in md and "| 2.0 / 2.5 |" in md and "peak GB (alloc/reserved)" in md
     assert "| allgather | failed: exit status 1: RuntimeError: allgather is broken in this fake" in md
 
 
@@ -546,3 +567,71 @@ def test_performance_experiments_are_not_part_of_the_package():
         assert not hasattr(timing, name), name
     assert not (ROOT / "tools" / "perf" / "__init__.py").exists()
     assert not (ROOT / "tools" / "__init__.py").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress, the Megatron baseline at one process, its expert module.
+
+
+def test_progress_lines_iteration_counts_and_heartbeat():
+    from megatron_mok.bench.progress import Progress
+
+    now = [0.0]
+    out = io.StringIO()
+    p = Progress("layer", heartbeat_s=30.0, min_interval_s=2.0, stream=out, clock=lambda: now[0])
+    try:
+        p.set_context("Kimi-K2, 48 exp/GPU (case 1/1) | megatron-alltoall (1/1)")
+        p.phase("preparing (building the layer, copying the weights)")
+        assert p.heartbeat_text() is None
+        now[0] = 31.0
+        assert p.heartbeat_text() == "still preparing (building the layer, copying the weights) (31 s)"
+        p.iteration(1, 5, "timed iteration")  # 31 s after the last line: printed
+        now[0] = 32.0
+        p.iteration(2, 5, "timed iteration")  # 1 s later: skipped
+        now[0] = 33.0
+        p.iteration(5, 5, "timed iteration")  # the last one: printed
+    finally:
+        p.close()
+    lines = out.getvalue().splitlines()
+    prefix = "[layer] Kimi-K2, 48 exp/GPU (case 1/1) | megatron-alltoall (1/1): "
+    assert lines == [prefix + "preparing (building the layer, copying the weights)",
+                     prefix + "timed iteration 1/5 done", prefix + "timed iteration 5/5 done"]
+    quiet = Progress("layer", enabled=False, stream=out)
+    quiet.line("nothing")
+    quiet.close()
+    assert "nothing" not in out.getvalue()
+
+
+def test_megatron_baseline_at_one_process_under_torchrun_finishes(tmp_path):
+    """At P = 1 under torchrun the Megatron baseline used to build a one-rank process group on a
+    fresh tcp:// port, which torchrun turns into a client of its own store: a silent wait for the
+    process-group timeout. Now it finishes (48 experts on the GPU of one process, as in the
+    report, scaled down to the CPU), and says what it does as it goes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "megatron_mok.bench", "layer", "--shape", "custom",
+           "--hidden", "64", "--ffn-hidden", "32", "--num-experts", "48", "--topk", "8", "--tokens", "64",
+           "--experts-per-gpu", "48", "--backends", "megatron-alltoall", "--warmup", "1", "--iters", "2",
+           "--check-tokens", "16", "--device", "cpu", "--out", str(tmp_path), "--timeout-s", "60"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[layer] 1 case(s) x 1 backend(s) (megatron-alltoall) on 1 CPU process(es)" in proc.stdout
+    assert "megatron-alltoall (1/1): experts: SequentialMLP" in proc.stdout
+    assert "megatron-alltoall (1/1): done: forward" in proc.stdout
+    result = json.loads((tmp_path / "layer.json").read_text())["runs"][0]["results"][0]
+    assert result["status"] == "ok" and result["check"]["passed"], result
+
+
+def test_megatron_expert_module_follows_transformer_engine(monkeypatch):
+    from megatron_mok.bench import megatron_layer
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert megatron_layer.expert_module_kind("auto", cpu) == "SequentialMLP"
+    assert megatron_layer.expert_module_kind("sequential", gpu) == "SequentialMLP"
+    monkeypatch.setattr(megatron_layer, "transformer_engine_reason", lambda: None)
+    assert megatron_layer.expert_module_kind("auto", gpu) == "TEGroupedMLP"
+    monkeypatch.setattr(megatron_layer, "transformer_engine_reason", lambda: "Transformer Engine is not installed")
+    assert megatron_layer.expert_module_kind("auto", gpu) == "SequentialMLP"
+    with pytest.raises(ValueError, match="--megatron-experts te-grouped: Transformer Engine is not installed"):
+        megatron_layer.expert_module_kind("te-grouped", gpu)
+    assert report._layer_row({"backend": "megatron-alltoall", "expert_module": "TEGroupedMLP", "status": "skipped",
+                              "reason": "x"})[0] == "megatron-alltoall [TEGroupedMLP]"

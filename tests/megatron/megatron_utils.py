@@ -13,25 +13,56 @@ BATCH = 2
 VOCAB = 64
 
 
-def _entry(rank, world, fn, tensor_parallel, expert_parallel, args):
+def end_child_processes(timeout_s: float = 10.0) -> None:
+    """End the processes this rank started: the manager process behind Megatron's checkpoint
+    write-results queue (``dist_checkpointing.save`` starts one per process) and any other
+    multiprocessing child. A test rank leaves with ``os._exit`` (tests/distributed.py), which
+    skips the exit handlers that would end them, so without this they outlive the test."""
+    import multiprocessing
+
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        filesystem_async = None
+    queue = getattr(filesystem_async, "_results_queue", None)
+    if queue is not None:
+        manager = getattr(queue, "_manager", None)
+        if manager is not None:
+            manager.shutdown()
+        filesystem_async._results_queue = None
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout_s)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout_s)
+
+
+def _entry(rank, world, fn, tensor_parallel, expert_parallel, args, layout=None):
     from megatron_mok.megatron.cpu_compat import cpu_device_patches, initialize_cpu_model_parallel
 
     from megatron.core import parallel_state
 
-    with cpu_device_patches():
-        initialize_cpu_model_parallel(tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
-        try:
-            fn(rank, world, *args)
-        finally:
-            parallel_state.destroy_model_parallel()
+    try:
+        with cpu_device_patches():
+            initialize_cpu_model_parallel(tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                                          **(layout or {}))
+            try:
+                fn(rank, world, *args)
+            finally:
+                parallel_state.destroy_model_parallel()
+    finally:
+        end_child_processes()
 
 
-def megatron_ranks(fn, world: int, *args, tensor_parallel: int = 1, expert_parallel=None) -> None:
+def megatron_ranks(fn, world: int, *args, tensor_parallel: int = 1, expert_parallel=None, **layout) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks with Megatron's model-parallel state
-    (EP = ``expert_parallel``, default the world size) and the CPU patches active. ``fn`` must be
-    a module-level function."""
+    (EP = ``expert_parallel``, default the world size; ``layout``: more keyword arguments of
+    :func:`megatron_mok.megatron.cpu_compat.initialize_cpu_model_parallel`, e.g.
+    ``expert_tensor_parallel``, ``pipeline_parallel``, ``virtual_pipeline_parallel``) and the CPU
+    patches active. ``fn`` must be a module-level function."""
     ep = world if expert_parallel is None else expert_parallel
-    run_ranks(_entry, world, fn, tensor_parallel, ep, args)
+    run_ranks(_entry, world, fn, tensor_parallel, ep, args, layout)
 
 
 def tiny_config(dispatcher: str, ep: int, **overrides):

@@ -7,6 +7,7 @@ import contextlib
 import glob
 import io
 import os
+import re
 import subprocess
 import sys
 
@@ -33,7 +34,7 @@ def test_expand_arg_files(tmp_path):
 def _config_files():
     return sorted(p for p in glob.glob(os.path.join(CONFIGS, "*.args"))
                   if os.path.basename(p) not in ("local_no_te.args",) and
-                  (p.endswith("_nvl72.args") or "proxy" in p or p.endswith("tiny.args")))
+                  (p.endswith("_nvl72.args") or p.endswith("_8gpu.args") or "proxy" in p or p.endswith("tiny.args")))
 
 
 @pytest.mark.parametrize("path", _config_files(), ids=os.path.basename)
@@ -51,7 +52,7 @@ def test_config_parses_and_validates_with_mok(path, monkeypatch):
         extra = ["--num-experts", str(meta["experts_per_gpu"] * world), "--expert-model-parallel-size", str(world)]
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setattr(sys, "argv", ["x"] + expand_arg_files([f"@{path}", f"@{CONFIGS}/local_no_te.args"])
-                        + TRAIN + extra + ["--moe-token-dispatcher-type", "mok"])
+                        + TRAIN + extra + ["--moe-token-dispatcher-type", "mok", "--bf16"])
     args = parse_args()
     with contextlib.redirect_stdout(io.StringIO()):
         validate_args(args, {})
@@ -76,11 +77,19 @@ def _launch(*flags, nproc=1):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour of the launcher")
 @pytest.mark.parametrize("dispatcher,layer", [("mok", "MoKMoELayer"), ("alltoall", "MoELayer")])
 def test_launcher_on_cpu_builds_tiny_model_and_says_training_needs_a_gpu(dispatcher, layer):
-    proc = _launch("@configs/tiny.args", *TRAIN, "--moe-token-dispatcher-type", dispatcher)
+    # --logging-level 40 (errors only, as Megatron-LM's DeepSeek-V3 script sets it) does not hide
+    # which backend each MoE layer runs.
+    proc = _launch("@configs/tiny.args", *TRAIN, "--moe-token-dispatcher-type", dispatcher, "--bf16",
+                   "--logging-level", "40")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "no CUDA GPU on this machine. Arguments parsed and validated" in proc.stdout
     assert f"2 MoE layers ({layer})" in proc.stdout
     assert "needs CUDA GPUs, so nothing was trained" in proc.stdout
+    if dispatcher == "mok":
+        for where in ("decoder layer 2", "MTP layer 1"):
+            assert (f"> megatron-mok: the MoE of {where} runs the reference backend [--mok-backend auto on cpu: "
+                    "the pure-PyTorch reference backend") in proc.stdout
+        assert "(bfloat16, cpu, hidden 128, expert FFN 128, 8 experts per rank, top-2)" in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour of the launcher")
@@ -91,7 +100,8 @@ def test_launcher_on_cpu_builds_the_deepseek_proxy_on_the_meta_device():
     # 3 decoder layers (1 dense, 2 MoE) + the MTP layer: 3 MoK layers; 2.6 billion parameters,
     # none of them allocated.
     assert "3 MoE layers (MoKMoELayer)" in proc.stdout
-    millions = float(proc.stdout.split("meta device: ")[1].split("M parameters")[0])
+    millions = float(re.search(r"meta device: rank 0 \(pipeline stage 0; TP 1, ETP 1, EP 1, PP 1\): "
+                               r"([0-9.]+)M parameters", proc.stdout).group(1))
     assert millions > 2000
 
 

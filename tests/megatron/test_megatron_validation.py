@@ -10,7 +10,7 @@ import pytest
 import torch.nn.functional as F
 
 from megatron_mok.megatron import MoKLayerSettings, MoKUnsupportedError, check_supported, unsupported_settings
-from megatron_mok.megatron.peers import peer_access_problem
+from megatron_mok.megatron.peers import GpuPlace, peer_access_problem
 from tests.megatron.megatron_utils import moe_spec_layer, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -78,15 +78,18 @@ def test_layer_construction_fails_before_building_anything():
         moe_spec_layer(_config(moe_expert_capacity_factor=2.0))
 
 
-def test_ep_without_peer_access_is_refused():
-    no_p2p = lambda a, b: False  # noqa: E731
-    cross_node = [("node-a", 0, False), ("node-a", 1, False), ("node-b", 0, False)]
-    message = peer_access_problem(cross_node, can_access=no_p2p)
-    assert "spans 2 nodes" in message and "node-b (EP ranks [2])" in message
-    assert "--mok-backend reference" in message
-    # One multi-node NVLink domain (IMEX channels on every node) is fine across nodes.
-    nvl72 = [("tray-1", 0, True), ("tray-2", 0, True)]
-    assert peer_access_problem(nvl72, can_access=no_p2p) is None
+def test_ep_ranks_on_one_host_without_peer_access_are_refused(monkeypatch):
+    import socket
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    here = socket.gethostname()
+    members = [(0, GpuPlace(host=here, device=0)), (1, GpuPlace(host=here, device=1))]
+    message = peer_access_problem(members, can_access=lambda a, b: False)
+    assert f"ranks 0 and 1 on host {here} use GPUs 0 and 1, which have no peer access" in message
+    assert peer_access_problem(members, can_access=lambda a, b: True) is None
 
 
 def test_launcher_reports_unsupported_settings_at_startup():
@@ -98,3 +101,27 @@ def test_launcher_reports_unsupported_settings_at_startup():
     assert "mok-pretrain-gpt: error: --moe-token-dispatcher-type mok does not support" in proc.stderr
     assert "moe_expert_capacity_factor=1.0: MoK never drops tokens" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_megatron_bridge_recipe_settings():
+    """Megatron-Bridge's providers and recipes (0.6.2) set these for alltoall/flex; docs/megatron.md
+    says which to turn off for mok. Here the MoE settings of its DeepSeek-V3 / Kimi-K2 provider and
+    of its Qwen3-30B-A3B 16-GPU recipe are copied onto the tiny config: MoK refuses exactly the ones
+    the docs name, and the config passes once they are changed as the docs say."""
+    deepseek_provider = dict(moe_grouped_gemm=True, moe_shared_expert_overlap=True, moe_router_pre_softmax=True,
+                             moe_permute_fusion=True, moe_router_score_function="sigmoid",
+                             moe_router_enable_expert_bias=True, moe_router_dtype="fp32")
+    qwen3_30b_recipe = dict(moe_grouped_gemm=True, moe_token_dispatcher_type="mok", moe_flex_dispatcher_backend="hybridep",
+                            moe_shared_expert_overlap=False, cuda_graph_impl="transformer_engine",
+                            cuda_graph_scope=["moe_router", "moe_preprocess"], moe_router_fusion=True)
+    problems = unsupported_settings(_config(**deepseek_provider), MoKLayerSettings())
+    assert [p.split("=")[0] for p in problems] == ["moe_shared_expert_overlap"], problems
+    problems = unsupported_settings(_config(**qwen3_30b_recipe), MoKLayerSettings())
+    assert [p.split("=")[0] for p in problems] == ["cuda_graph_modules"], problems
+    assert "moe_router" in problems[0] and "--cuda-graph-modules attn" in problems[0]
+    # The documented changes.
+    assert unsupported_settings(_config(**{**deepseek_provider, "moe_shared_expert_overlap": False}),
+                                MoKLayerSettings()) == []
+    assert unsupported_settings(_config(**deepseek_provider), MoKLayerSettings(fuse_shared_expert=True)) != []
+    assert unsupported_settings(_config(**{**qwen3_30b_recipe, "cuda_graph_impl": "none"}), MoKLayerSettings()) == []
+    assert unsupported_settings(_config(**{**qwen3_30b_recipe, "cuda_graph_scope": ["attn"]}), MoKLayerSettings()) == []
