@@ -132,8 +132,8 @@ def main(argv=None) -> int:
         _clean_calls(backend, args.virtual)
         if args.faults:
             _fault_calls(backend, args.virtual)
-        gc.collect()
         release_workspaces()
+        gc.collect()  # the released workspaces (reference cycles) go before the next backend's calls
     torch.cuda.synchronize()
     print("sanitize_case: done", flush=True)
     return 0
