@@ -2,8 +2,8 @@
 
 * the processes Megatron's checkpoint writer starts (a multiprocessing manager per process,
   which a test rank's ``os._exit`` would leave running) are ended by the test ranks;
-* ``.ci/run`` runs the suite in a session of its own and fails, keeping pytest's own failure
-  status, when any process of that session is still alive afterwards.
+* ``.ci/run`` starts the suite under ``setsid`` and fails, keeping pytest's own failure status,
+  when any process it started is still alive afterwards.
 """
 
 from __future__ import annotations
