@@ -5,8 +5,9 @@
 // Peer memory is the symmetric workspace of the cuda backend: `bases[s]` is rank s's region,
 // in which `rows_offset` holds its published bf16 tokens [T_cap, H], `scalars_offset` its fp32
 // router weights [T_cap, K] and `slots_offset` the bf16 combine slots [T_cap, K, H];
-// `signal_bases[s]` is rank s's uint64 [P] flag array (the one mok_barrier uses; a launch
-// stores rank r's combine-done epoch into word r of every rank's array, nothing else). The ring
+// `signal_bases[s]` is rank s's signal array, uint64 [2P] (mok/common.h): the megakernel uses its
+// first P words, the flags mok_barrier uses too (a launch stores rank r's combine-done epoch into
+// word r of every rank's array); the P failure words after them are mok_barrier's. The ring
 // (x rows, h rows, router weights) and the counters are local device buffers whose size
 // the config fixes, whatever the routing.
 #pragma once
@@ -59,7 +60,7 @@ typedef struct MokMegakernelConstants {
 
 typedef struct MokMegakernelArgs {
   const uint64_t* bases;         // device [P]: every rank's workspace region
-  const uint64_t* signal_bases;  // device [P]: every rank's uint64 [P] flag array
+  const uint64_t* signal_bases;  // device [P]: every rank's signal array (uint64 [2P]; flags first)
   int64_t rows_offset;           // byte offset of the published tokens in a region
   int64_t scalars_offset;        // byte offset of the published router weights
   int64_t slots_offset;          // byte offset of the combine slots
