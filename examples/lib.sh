@@ -6,6 +6,14 @@ config_meta() {
   echo "${value:-$3}"
 }
 
+# config_flag FILE FLAG DEFAULT: the value after FLAG in an args file (its last occurrence, as
+# Megatron's parser takes it; '#' starts a comment), or DEFAULT
+config_flag() {
+  local value
+  value=$(sed 's/#.*//' "$1" | awk -v flag="$2" '{ for (i = 1; i < NF; i++) if ($i == flag) v = $(i + 1) } END { print v }')
+  echo "${value:-$3}"
+}
+
 # dispatcher_flags NAME: the Megatron flags of a dispatcher choice
 #   mok | alltoall | allgather | flex-deepep | flex-hybridep
 dispatcher_flags() {

@@ -37,6 +37,14 @@ COMM_SMS_WEIGHT_BOUND = 6
 COMM_SMS_FEWER_WITHOUT_GRAD = 2
 H200_NUM_SMS = 132
 MAX_TOKENS_PER_RANK = 2 ** 31 - 1
+# The training ring's default: the rows a rank receives with uniform routing (T x K), times this
+# margin, plus half a tile of padding per local expert (the mean), and never less than the most
+# one rank's own tokens can fill (T x K + L x (tile - 1)), so P = 1 never replays. Routing that
+# sends more rows to a rank replays the excess in the backward (time, never memory).
+TRAINING_RING_MARGIN = 1.25
+# The backward (and the cuda backend's forward) walks the layout in chunks of the training ring's
+# rows, but never fewer than this many: the GEMMs of a smaller chunk fill the device poorly.
+MIN_TRAINING_CHUNK_ROWS = 4096
 
 
 class MoKConfigError(ValueError):
@@ -123,12 +131,25 @@ class MoKConfig:
     megakernel: MegakernelTunables = MegakernelTunables()
     """The forward megakernel's launch-shape tunables (pair mode, group size)."""
 
+    training_ring_rows: Optional[int] = None
+    """Rows of the expert-grouped layout whose activations a forward with grad keeps for the
+    backward (x, the router weight and the fc1 pre-activation gate | up: 2H + 4 + 4I bytes a
+    row). Rows past it are replayed by the backward (their x pulled again, fc1 recomputed,
+    bitwise the forward's), so a hot expert costs time, never memory. A multiple of
+    ``tile_rows``; 0 replays every row. Default :func:`default_training_ring_rows`. Results never
+    depend on it."""
+
     def __post_init__(self) -> None:
         _check_optional_int(self, "comm_sms_forward", minimum=2)
         _check_optional_int(self, "comm_sms_backward", minimum=2)
         _check_optional_int(self, "minibatch_rows", minimum=1)
         _check_optional_int(self, "ring_rows", minimum=1)
         _check_optional_int(self, "max_tokens_per_rank", minimum=1)
+        _check_optional_int(self, "training_ring_rows", minimum=0)
+        if self.training_ring_rows is not None and self.training_ring_rows % self.tile_rows:
+            raise MoKConfigError(
+                f"MoKConfig.training_ring_rows={self.training_ring_rows} must be a multiple of "
+                f"tile_rows={self.tile_rows} (whole row blocks are kept or replayed)")
         if self.max_tokens_per_rank is not None and self.max_tokens_per_rank > MAX_TOKENS_PER_RANK:
             raise MoKConfigError(
                 f"MoKConfig.max_tokens_per_rank={self.max_tokens_per_rank} is above {MAX_TOKENS_PER_RANK}: the "
@@ -248,6 +269,14 @@ class MoKConfig:
             ring_rows=ring,
         )
 
+    def training_ring(self, *, tokens: int, topk: int, experts_per_rank: int) -> int:
+        """Rows of the training ring for calls of ``tokens`` tokens, top-``topk``, on
+        ``experts_per_rank`` local experts: ``training_ring_rows`` or its default."""
+        if self.training_ring_rows is not None:
+            return self.training_ring_rows
+        return default_training_ring_rows(tokens=tokens, topk=topk, experts_per_rank=experts_per_rank,
+                                          tile_rows=self.tile_rows)
+
     def forward_comm_sms(self, resolved: "MoKConfig", *, saves_activations: bool) -> int:
         """Comm SMs of one forward launch, ``self`` being the config as given and ``resolved``
         its :meth:`resolve`. A forward that saves activations for the backward takes
@@ -273,6 +302,32 @@ def default_minibatch_rows(*, hidden: int, ffn_hidden: int, compute_sms: int, ti
         row_tiles = -(-waves * compute_sms // col_tiles)
         min_rows = max(min_rows, row_tiles * tile_rows)
     return min_rows
+
+
+def default_training_ring_rows(*, tokens: int, topk: int, experts_per_rank: int, tile_rows: int) -> int:
+    """The training ring's default, rounded up to ``tile_rows``: max(ceil(T x K x
+    :data:`TRAINING_RING_MARGIN`) + L x tile_rows / 2, T x K + L x (tile_rows - 1)). The first
+    term is the rows one rank receives with uniform routing, a margin and the mean padding of a
+    segment; the second the most a layout of one rank's own T x K routes can take (so P = 1
+    never replays)."""
+    rows = max(math.ceil(tokens * topk * TRAINING_RING_MARGIN) + experts_per_rank * tile_rows // 2,
+               tokens * topk + experts_per_rank * (tile_rows - 1))
+    return -(-rows // tile_rows) * tile_rows
+
+
+def training_chunk_rows(ring_rows: int, tile_rows: int) -> int:
+    """Rows of one chunk of the layout that the backward (and the cuda backend's forward) runs at
+    once: the training ring's rows, at least :data:`MIN_TRAINING_CHUNK_ROWS`, a multiple of
+    ``tile_rows``. Chunks never change results (the weight gradients carry their fp32 partial sum
+    exactly from one chunk to the next)."""
+    rows = max(ring_rows, MIN_TRAINING_CHUNK_ROWS)
+    return -(-rows // tile_rows) * tile_rows
+
+
+def training_ring_bytes(rows: int, hidden: int, ffn_hidden: int) -> int:
+    """Bytes of a training ring of ``rows`` rows: x bf16 [rows, H], router weight fp32 [rows],
+    gate | up bf16 [rows, 2I]."""
+    return rows * (2 * hidden + 4 + 4 * ffn_hidden)
 
 
 def _check_optional_int(cfg: MoKConfig, name: str, *, minimum: int) -> None:

@@ -90,34 +90,70 @@ def run_case(case: GpuCase, ep_groups, config, backend: str, streams=None, backw
     the gradients are None without ``backward``. ``split`` > 0 passes each rank's weights as two
     weight segments, its last ``split`` experts in the second (as a fused shared expert is
     passed); d_fc1 and d_fc2 are then the segments' gradients concatenated."""
-    from megatron_mok.functional import check_errors, mok_moe
+    from megatron_mok.functional import check_errors
 
-    P = len(case.x)
-    per_rank = [leaves(case, r) for r in range(P)]
+    per_rank = _split_leaves(case, split)
+    ys = _forward_ranks(case, per_rank, ep_groups, config, backend, streams)
+    if backward:
+        _backward_ranks(case, ys, streams)
+    torch.cuda.synchronize()
+    check_errors()
+    return _results(ys, per_rank, backward)
+
+
+def run_layers(cases: Sequence[GpuCase], ep_groups, config, backend: str, streams=None, split: int = 0):
+    """As a model's MoE layers run: the forwards of every case (one layer each, same shapes,
+    hence the same workspace) in order on every rank, then their backwards in reverse order, so
+    that each backward runs after later calls have rewritten the shared workspace. Returns, per
+    case, what :func:`run_case` returns for it."""
+    from megatron_mok.functional import check_errors
+
+    leaves_of = [_split_leaves(case, split) for case in cases]
+    ys_of = [_forward_ranks(case, per_rank, ep_groups, config, backend, streams)
+             for case, per_rank in zip(cases, leaves_of)]
+    for case, ys in reversed(list(zip(cases, ys_of))):
+        _backward_ranks(case, ys, streams)
+    torch.cuda.synchronize()
+    check_errors()
+    return [_results(ys, per_rank, True) for ys, per_rank in zip(ys_of, leaves_of)]
+
+
+def _split_leaves(case: GpuCase, split: int):
+    """:func:`leaves` of every rank; with ``split`` > 0 the weights as two segments (run_case)."""
+    per_rank = [leaves(case, r) for r in range(len(case.x))]
     if split:
         leaf = lambda t: t.detach().clone().requires_grad_()
         per_rank = [(x, w, (leaf(f1[:-split]), leaf(f1[-split:])), (leaf(f2[:-split]), leaf(f2[-split:])))
                     for x, w, f1, f2 in per_rank]
+    return per_rank
+
+
+def _forward_ranks(case: GpuCase, per_rank, ep_groups, config, backend: str, streams):
+    from megatron_mok.functional import mok_moe
+
     ys = []
     main = torch.cuda.current_stream()
-    for r in range(P):
+    for r in range(len(case.x)):
         if streams:
             streams[r].wait_stream(main)
         with torch.cuda.stream(streams[r]) if streams else contextlib.nullcontext():
             x, w, fc1, fc2 = per_rank[r]
             ys.append(mok_moe(x, case.ids[r], w, fc1, fc2, ep_group=ep_groups[r], config=config, backend=backend))
-    if backward:
-        for r in range(P):
-            with torch.cuda.stream(streams[r]) if streams else contextlib.nullcontext():
-                ys[r].backward(case.dy[r])
-    torch.cuda.synchronize()
-    check_errors()
+    return ys
 
+
+def _backward_ranks(case: GpuCase, ys, streams) -> None:
+    for r in range(len(case.x)):
+        with torch.cuda.stream(streams[r]) if streams else contextlib.nullcontext():
+            ys[r].backward(case.dy[r])
+
+
+def _results(ys, per_rank, backward: bool):
     def grad(t):
         if isinstance(t, tuple):
             return torch.cat([s.grad for s in t]) if backward else None
         return t.grad
-    return [(ys[r].detach(),) + tuple(grad(t) for t in per_rank[r]) for r in range(P)]
+    return [(ys[r].detach(),) + tuple(grad(t) for t in per_rank[r]) for r in range(len(ys))]
 
 
 def check_against_oracle(case: GpuCase, results, label: str, with_grads: bool = True) -> None:

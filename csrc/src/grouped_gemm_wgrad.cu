@@ -1,4 +1,6 @@
-// Weight gradients of the expert FFN: out[e] = a_e^T b_e over each expert's rows.
+// Weight gradients of the expert FFN: out[e] = a_e^T b_e over each expert's rows, or over the
+// part of them inside a range of the layout's rows with an fp32 partial sum carried between
+// consecutive ranges.
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -13,50 +15,70 @@ namespace {
 
 template <bool kTma>
 int weight_grad(const void* a, const void* b, const int32_t* offsets, void* out, int out_bf16,
-                int accumulate, int64_t rows_cap, int L, int M, int N, int num_ctas,
-                cudaStream_t stream) {
+                int accumulate, int64_t rows_cap, int L, int M, int N, int row0, int row1,
+                const float* carry_in, float* carry_out, int num_ctas, cudaStream_t stream) {
   using Cfg = WgradCfg<kTma>;
   using Epi = std::conditional_t<kTma, WgradTmaEpilogue, WgradEpilogue>;
   WgradKernelParams<Epi> p{};
-  int rc = encode_map_2d(&p.op.map_a, a, M, rows_cap, kBK, 64);
-  if (rc != MOK_OK) return rc;
-  rc = encode_map_2d(&p.op.map_b, b, N, rows_cap, kBK, 64);
-  if (rc != MOK_OK) return rc;
+  // A range without a whole 64-row block has no K loop at all: a and b are never read (and
+  // tensor maps of fewer rows than a box are not encoded).
+  if (row1 > row0) {
+    int rc = encode_map_2d(&p.op.map_a, a, M, rows_cap, kBK, 64);
+    if (rc != MOK_OK) return rc;
+    rc = encode_map_2d(&p.op.map_b, b, N, rows_cap, kBK, 64);
+    if (rc != MOK_OK) return rc;
+  }
   p.op.M = M;
   p.op.N = N;
+  p.op.carry_in = carry_in;
   if constexpr (kTma) {
-    rc = encode_map_2d(&p.epi.map, out, N, (uint64_t)L * M, 64, 64);
+    const int rc = encode_map_2d(&p.epi.map, out, N, (uint64_t)L * M, 64, 64);
     if (rc != MOK_OK) return rc;
     p.epi.M = M;
+    p.epi.N = N;
+    p.epi.carry_out = carry_out;
   } else {
-    p.epi = {out, out_bf16 ? 1 : 0, accumulate ? 1 : 0, M, N};
+    p.epi = {out, out_bf16 ? 1 : 0, accumulate ? 1 : 0, M, N, carry_out};
   }
   p.offsets = offsets;
   p.L = L;
+  p.row0 = row0;
+  p.row1 = row1;
   const int64_t tiles = (int64_t)L * (M / Cfg::BM) * (N / Cfg::BN);
   return launch_persistent(wgrad_kernel<Cfg, Epi>, p, tiles, Cfg::kSmemBytes, num_ctas, stream);
+}
+
+bool overlap(const void* x, const void* y, size_t bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(x), b = reinterpret_cast<uintptr_t>(y);
+  return a < b + bytes && b < a + bytes;
 }
 
 }  // namespace
 
 MOK_API int mok_gemm_weight_grad(const void* a, const void* b, const int32_t* offsets, void* out,
                                  int out_bf16, int accumulate, int tma_store, int64_t rows_cap,
-                                 int L, int M, int N, int num_ctas, cudaStream_t stream) {
-  MOK_REQUIRE(a && b && offsets && out && aligned16(out));
+                                 int L, int M, int N, int64_t row0, int64_t row1,
+                                 const float* carry_in, float* carry_out, int num_ctas,
+                                 cudaStream_t stream) {
+  MOK_REQUIRE(offsets && out && aligned16(out) && (rows_cap == 0 || (a && b)));
   MOK_REQUIRE(rows_cap >= 0 && rows_cap < (int64_t)INT32_MAX && L >= 1 && L <= kMaxExperts);
   MOK_REQUIRE(M > 0 && N > 0 && M % 128 == 0 && N % 256 == 0);
   MOK_REQUIRE(!(out_bf16 && accumulate));
   MOK_REQUIRE(!tma_store || out_bf16);  // the staged epilogue writes bf16
   MOK_REQUIRE((int64_t)L * (M / 128) * (N / 256) < (int64_t)INT32_MAX);
-  if (rows_cap < kBK) {
-    // Not one 64-row block: every expert is empty and its gradient zero.
-    if (accumulate) return MOK_OK;
-    MOK_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(out, 0, (size_t)L * M * N * (out_bf16 ? 2 : 4), stream));
-    return MOK_OK;
-  }
+  // The range: row0 a multiple of 64; row1 a multiple of 64 above row0 within the rows a and b
+  // hold, or exactly row0 + rows_cap (all of them, the last range).
+  MOK_REQUIRE(row0 >= 0 && row0 % kBK == 0 && row0 + rows_cap < (int64_t)INT32_MAX);
+  MOK_REQUIRE(row1 == row0 + rows_cap || (row1 % kBK == 0 && row0 < row1 && row1 - row0 <= rows_cap));
+  MOK_REQUIRE(row0 == 0 || carry_in != nullptr);
+  MOK_REQUIRE(!carry_in || aligned16(carry_in));
+  MOK_REQUIRE(!carry_out || aligned16(carry_out));
+  MOK_REQUIRE(!(carry_in && carry_out && overlap(carry_in, carry_out, (size_t)M * N * 4)));
+  // Rows past the last multiple of 64 cannot belong to a segment (offsets are multiples of 64).
+  const int64_t row1_blocks = row0 + (row1 - row0) / kBK * kBK;
   if (tma_store)
-    return weight_grad<true>(a, b, offsets, out, out_bf16, accumulate, rows_cap, L, M, N, num_ctas,
-                             stream);
-  return weight_grad<false>(a, b, offsets, out, out_bf16, accumulate, rows_cap, L, M, N, num_ctas,
-                            stream);
+    return weight_grad<true>(a, b, offsets, out, out_bf16, accumulate, rows_cap, L, M, N,
+                             (int)row0, (int)row1_blocks, carry_in, carry_out, num_ctas, stream);
+  return weight_grad<false>(a, b, offsets, out, out_bf16, accumulate, rows_cap, L, M, N, (int)row0,
+                            (int)row1_blocks, carry_in, carry_out, num_ctas, stream);
 }

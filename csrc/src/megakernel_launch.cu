@@ -149,6 +149,7 @@ int check_args(const MokMegakernelArgs& a) {
   const bool any_save = a.save_x || a.save_w || a.save_gu;
   MOK_REQUIRE(!any_save || (a.save_x && a.save_w && a.save_gu));
   MOK_REQUIRE(!any_save || (aligned16(a.save_x) && aligned16(a.save_gu)));
+  MOK_REQUIRE(a.save_rows >= 0 && a.save_rows % kBlockRows == 0 && (any_save || a.save_rows == 0));
   MOK_REQUIRE((a.fc1_weight2 == nullptr) == (a.fc2_weight2 == nullptr));
   MOK_REQUIRE(a.fc1_weight2 == nullptr ? a.L1 == a.L : (a.L1 >= 1 && a.L1 < a.L));
   MOK_REQUIRE(a.fc1_weight2 == nullptr || (aligned16(a.fc1_weight2) && aligned16(a.fc2_weight2)));
@@ -240,10 +241,11 @@ MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t s
   p.ops.fc2_2.N = p.ops.fc2.N;
   p.ops.swiglu = {static_cast<__nv_bfloat16*>(a.ring_h), nullptr, a.ring_w, (int)a.I, a.ring_rows};
   p.ops.save_gu = static_cast<__nv_bfloat16*>(a.save_gu);
+  p.ops.save_rows = a.save_rows;
   p.ops.push = PushTargets{a.bases, a.slots_offset, a.table, (int)a.H};
   p.rows = RowSpaces{a.bases, a.rows_offset, a.scalars_offset, a.table,
                      static_cast<uint4*>(a.ring_x), a.ring_w, static_cast<uint4*>(a.save_x), a.save_w,
-                     (int)a.K, (int)(a.H / 8)};
+                     a.save_rows, (int)a.K, (int)(a.H / 8)};
   p.signal_bases = a.signal_bases;
   p.ids = a.topk_ids;
   p.y = static_cast<uint4*>(a.y);

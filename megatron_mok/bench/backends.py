@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -109,6 +109,12 @@ class Runner(abc.ABC):
     def zero_grad(self, batch: TokenBatch) -> None:
         """Clear the gradients of ``batch``'s inputs and of the expert weights."""
 
+    @abc.abstractmethod
+    def grad_tensors(self, batch: TokenBatch) -> List[torch.Tensor]:
+        """The gradient tensors the backward(s) of ``batch`` left on the autograd leaves the
+        runner differentiates (inputs and expert weights), as stored (no copy, no reshaping):
+        what the backward hands back, for the activation-memory figure."""
+
     def close(self) -> None:
         """Release what the runner holds (a Megatron layer's copy of the weights)."""
 
@@ -132,6 +138,10 @@ class _LeafGradsRunner(Runner):
         for t in (batch.x, batch.topk_weights, self.experts.fc1_weight, self.experts.fc2_weight):
             t.grad = None
 
+    def grad_tensors(self, batch: TokenBatch) -> List[torch.Tensor]:
+        leaves = (batch.x, batch.topk_weights, self.experts.fc1_weight, self.experts.fc2_weight)
+        return [t.grad for t in leaves if t.grad is not None]
+
 
 class MokRunner(_LeafGradsRunner):
     """``megatron_mok.functional.mok_moe`` with a fixed backend. Its communication workspace
@@ -139,7 +149,7 @@ class MokRunner(_LeafGradsRunner):
     an EP group), so the benchmark passes the case's token count even when a check with fewer
     tokens runs first."""
 
-    def __init__(self, name: str, experts: Experts, max_tokens: int):
+    def __init__(self, name: str, experts: Experts, max_tokens: int, training_ring_rows: Optional[int] = None):
         super().__init__(experts)
         self.name = name
         self.backend = MOK_BACKENDS[name]
@@ -150,7 +160,7 @@ class MokRunner(_LeafGradsRunner):
             raise Skip(f"megatron_mok.functional does not import ({err})") from err
         self._mok_moe = mok_moe
         self._unavailable = BackendUnavailable
-        self.config = MoKConfig(max_tokens_per_rank=max_tokens)
+        self.config = MoKConfig(max_tokens_per_rank=max_tokens, training_ring_rows=training_ring_rows)
 
     def forward(self, batch: TokenBatch, mark: Mark = None) -> torch.Tensor:
         e = self.experts
@@ -244,6 +254,13 @@ class MegatronRunner(Runner):
         self.probs.grad = None
         megatron_layer.zero_expert_grads(self.layer)
 
+    def grad_tensors(self, batch: TokenBatch) -> List[torch.Tensor]:
+        # The dense [T, E] router-probability gradient, as the backward leaves it (grads()
+        # gathers a [T, K] copy of it).
+        self._use(batch)
+        leaves = [self.x, self.probs] + list(self.layer.parameters())
+        return [t.grad for t in leaves if t.grad is not None]
+
     def close(self) -> None:
         self.layer = None
         self._batch = None
@@ -251,17 +268,19 @@ class MegatronRunner(Runner):
             torch.cuda.empty_cache()
 
 
-def make_runner(name: str, experts: Experts, topk: int, max_tokens: int, megatron_experts: str = "auto") -> Runner:
+def make_runner(name: str, experts: Experts, topk: int, max_tokens: int, megatron_experts: str = "auto",
+                training_ring_rows: Optional[int] = None) -> Runner:
     """Prepare backend ``name`` (a key of :data:`BACKENDS`) for ``experts``, top-``topk``
     routing and batches of at most ``max_tokens`` tokens per rank (``megatron_experts``: the
-    expert module of the Megatron backends, ``--megatron-experts``).
+    expert module of the Megatron backends, ``--megatron-experts``; ``training_ring_rows``: MoK's
+    ``MoKConfig.training_ring_rows``, None for its default).
 
     Raises:
         Skip: when the backend cannot run here, with the reason.
         ValueError: for an unknown name.
     """
     if name in MOK_BACKENDS:
-        return MokRunner(name, experts, max_tokens)
+        return MokRunner(name, experts, max_tokens, training_ring_rows)
     if name == "a2a-grouped-mm":
         return A2ARunner(experts)
     if name in megatron_layer.MEGATRON_BACKENDS:

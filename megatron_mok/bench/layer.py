@@ -12,6 +12,9 @@ would not fit in GPU memory, on up to 16 experts per GPU with the same H, I and 
 ``--check-mode``); then ``--warmup`` untimed and ``--iters`` timed iterations, each forward and
 backward timed separately with CUDA events after the ranks meet; the figure is the median over
 iterations of the slowest rank. TFLOP/s = 6*T*K*H*I / latency (backward: twice the FLOP).
+On a GPU, one more untimed forward + backward per backend, after the timed ones, measures its
+activation memory (:func:`measure_memory`), shown next to the routed-rows need: the bytes the
+training ring would keep for the rows each rank really computes (:func:`routed_rows_need`).
 Megatron's own layer runs with the expert module Megatron users run (``--megatron-experts``:
 TEGroupedMLP where Transformer Engine is installed, else SequentialMLP); the table names it.
 
@@ -32,8 +35,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from ..config import training_ring_bytes
 from . import report
-from .backends import BACKENDS, Experts, Skip, TokenBatch, make_runner, parse_backends
+from .backends import BACKENDS, Experts, Runner, Skip, TokenBatch, make_runner, parse_backends
 from .check import DEFAULT_TOL, CheckResult, Outcome, compare, run_once
 from .floors import H200, layer_floors, model_flops, rates_with, tflops
 from .machine import Dist, command_line, device_type, init_distributed, machine_info, set_safe_env, utc_now
@@ -46,6 +50,7 @@ from .timing import Stopwatch, align_ranks, gather_floats, slowest_rank_medians
 SCHEMA = "megatron-mok/bench-layer/1"
 DTYPE = torch.bfloat16
 PHASES = ("dispatch", "experts", "combine")
+MIB = 2 ** 20
 
 
 class WrongResult(RuntimeError):
@@ -70,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="experts held by each GPU, one run each: 'full' (the model's E / P), a "
                         "number (6 per GPU is Kimi-K2's load at EP=64), or 'ep=N' (E / N: the "
                         "per-GPU load of the model on N GPUs, e.g. ep=2 on one GPU)")
+    p.add_argument("--training-ring-rows", type=int, default=None,
+                   help="MoK's MoKConfig.training_ring_rows (rows whose activations a forward keeps; the "
+                        "backward replays the rest); default: its rule")
     p.add_argument("--routing", choices=ROUTINGS, default="uniform", help="how tokens pick experts")
     p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent for --routing zipf")
     p.add_argument("--hot-fraction", type=float, default=1.0,
@@ -220,6 +228,120 @@ def time_backend(runner, batch: TokenBatch, *, warmup: int, iters: int, env: Dis
     return slowest_rank_medians(samples, env.group, env.device)
 
 
+class MemoryProbe:
+    """The allocator figures :func:`measure_memory` reads: PyTorch's CUDA caching allocator on
+    ``device`` (bytes held by live tensors; blocks cached but free are not counted)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def reset_peak(self) -> None:
+        """Start a new peak at what is allocated now."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def allocated(self) -> int:
+        """Bytes allocated now."""
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def peak(self) -> int:
+        """Most bytes allocated at once since :meth:`reset_peak`."""
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (frees are recorded when the host issues them,
+        so this only makes the figures follow a finished backward)."""
+        torch.cuda.synchronize(self.device)
+
+
+def _storages(tensors: Sequence[torch.Tensor]) -> Dict[int, int]:
+    """{storage address: storage bytes} of ``tensors``, each storage once (a gradient that is
+    a view of a larger buffer keeps all of it allocated)."""
+    out: Dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        out[storage.data_ptr()] = storage.nbytes()
+    return out
+
+
+def measure_memory(runner: Runner, batch: TokenBatch, probe: MemoryProbe) -> Dict[str, int]:
+    """Activation memory of one forward + backward of ``runner`` on ``batch``, on this rank.
+
+    From zeroed gradients: the allocator's peak is reset, ``before`` = bytes allocated, then one
+    forward and its backward (``y.backward(dy)``), then
+
+    * ``peak_bytes`` = peak allocated during them - ``before``: everything the call allocated
+      at its high point, the output y and the gradients the backward returns included;
+    * ``grad_bytes`` = bytes of the gradient tensors the backward left on the inputs and the
+      expert weights (:meth:`Runner.grad_tensors`: dx, d router weights, d fc1, d fc2, each
+      storage once) that did not exist before the forward;
+    * ``activation_bytes`` = ``peak_bytes`` - ``grad_bytes``: what the layer itself needs at
+      its high point (saved activations, workspaces it allocates per call, the output),
+      which is what training keeps or recomputes, layer after layer.
+
+    Persistent state allocated by earlier calls (communication workspaces, caches) is in
+    ``before``, so it is not counted. Untimed; not a collective (call it on every rank, after
+    the ranks have met). Leaves the gradients zeroed.
+
+    Returns:
+        {"peak_bytes", "grad_bytes", "activation_bytes"}: bytes (int).
+    """
+    runner.zero_grad(batch)
+    existing = _storages(runner.grad_tensors(batch))
+    probe.synchronize()
+    probe.reset_peak()
+    before = probe.allocated()
+    with runner.context():
+        y = runner.forward(batch)
+        y.backward(batch.dy)
+        del y
+    probe.synchronize()
+    peak = probe.peak() - before
+    grads = sum(n for ptr, n in _storages(runner.grad_tensors(batch)).items() if ptr not in existing)
+    runner.zero_grad(batch)
+    return {"peak_bytes": peak, "grad_bytes": grads, "activation_bytes": peak - grads}
+
+
+def memory_result(mine: Dict[str, int], need_bytes: Sequence[int], env: Dist) -> Dict[str, object]:
+    """The JSON fields of a backend's memory figures: this rank's :func:`measure_memory`
+    gathered from every rank, in MiB.
+
+    Args:
+        mine: this rank's {"peak_bytes", "grad_bytes", "activation_bytes"}.
+        need_bytes: the routed-rows need of every rank, bytes (:func:`routed_rows_need`).
+
+    Returns:
+        {"peak_mib", "grads_mib", "activation_mib": the largest rank's, MiB;
+        "activation_per_rank_mib": each rank's; "activation_vs_need": the largest ratio over
+        the ranks with a nonzero need of their activation memory to their routed-rows need
+        (None if no rank has one)}.
+    """
+    keys = ("peak_bytes", "grad_bytes", "activation_bytes")
+    per_rank = gather_floats([float(mine[k]) for k in keys], env.group, env.device)
+    column = {k: [r[i] / MIB for r in per_rank] for i, k in enumerate(keys)}
+    ratios = [a * MIB / n for a, n in zip(column["activation_bytes"], need_bytes) if n > 0]
+    return {
+        "peak_mib": max(column["peak_bytes"]),
+        "grads_mib": max(column["grad_bytes"]),
+        "activation_mib": max(column["activation_bytes"]),
+        "activation_per_rank_mib": column["activation_bytes"],
+        "activation_vs_need": max(ratios) if ratios else None,
+    }
+
+
+def routed_rows_need(received: Sequence[int], hidden: int, ffn_hidden: int) -> Dict[str, object]:
+    """The routed-rows need of a case: for each rank, the rows its experts really compute
+    (``received``, from the generated routing) times the bytes the training ring keeps per row
+    (``training_ring_bytes(1, H, I)``: x bf16, router weight fp32, gate|up bf16).
+
+    Returns:
+        {"bytes_per_row", "rows_per_rank", "bytes_per_rank", "mib": the largest rank's, MiB}.
+    """
+    per_row = training_ring_bytes(1, hidden, ffn_hidden)
+    per_rank = [int(r) * per_row for r in received]
+    return {"bytes_per_row": per_row, "rows_per_rank": [int(r) for r in received],
+            "bytes_per_rank": per_rank, "mib": max(per_rank) / MIB if per_rank else 0.0}
+
+
 def _agree(result: Dict[str, object], env: Dist) -> Dict[str, object]:
     """Make every rank report the same status: the worst of all ranks, with its reason."""
     if env.group is None:
@@ -308,16 +430,19 @@ def check_backend(name: str, runner, plan: CheckPlan, args, env: Dist, case: Ben
 
 def run_backend(name: str, case: BenchCase, batch: TokenBatch, experts: Experts,
                 plan: Optional[CheckPlan], floors, args, env: Dist,
-                progress: Optional[Progress] = None) -> Dict[str, object]:
-    """Check, then time, one backend on one case. Never raises for a backend's own failure:
-    the result says "skipped", "wrong" or "failed" with the reason."""
+                progress: Optional[Progress] = None,
+                need: Optional[Dict[str, object]] = None) -> Dict[str, object]:
+    """Check, then time, then (on a GPU) measure the activation memory of one backend on one
+    case (``need``: the case's :func:`routed_rows_need`). Never raises for a backend's own
+    failure: the result says "skipped", "wrong" or "failed" with the reason."""
     shape = case.shape
     result: Dict[str, object] = {"backend": name, "description": BACKENDS[name]}
     runner = None
     progress = progress or Progress("layer", enabled=False)
     try:
         progress.phase("preparing (building the layer, copying the weights)")
-        runner = make_runner(name, experts, shape.topk, case.tokens_per_gpu, args.megatron_experts)
+        runner = make_runner(name, experts, shape.topk, case.tokens_per_gpu, args.megatron_experts,
+                             args.training_ring_rows)
         if getattr(runner, "expert_module", None):
             result["expert_module"] = runner.expert_module
             progress.line(f"experts: {runner.expert_module}")
@@ -345,6 +470,11 @@ def run_backend(name: str, case: BenchCase, batch: TokenBatch, experts: Experts,
         comm = {p: (floors[p].nvlink_bytes / (ms * 1e-3) / 1e9 if floors[p].nvlink_bytes else None)
                 for p, ms in (("forward", fwd), ("backward", bwd))}
         result["comm_GBps"] = comm
+        if env.device.type == "cuda":
+            progress.phase("one untimed iteration for the activation memory")
+            align_ranks(env.group, env.device)
+            mine = measure_memory(runner, batch, MemoryProbe(env.device))
+            result.update(memory_result(mine, need["bytes_per_rank"] if need else [], env))
         phases = {p: stats[f"phase:{p}"]["ms"] for p in PHASES if f"phase:{p}" in stats}
         if phases:
             result["forward_phases_ms"] = phases
@@ -368,7 +498,10 @@ def run_backend(name: str, case: BenchCase, batch: TokenBatch, experts: Experts,
             torch.cuda.empty_cache()
     result = _agree(result, env)
     if result["status"] == "ok":
-        progress.line(f"done: forward {result['forward_ms']:.2f} ms, backward {result['backward_ms']:.2f} ms")
+        memory = (f", activation memory {result['activation_mib']:.0f} MiB"
+                  if result.get("activation_mib") is not None else "")
+        progress.line(f"done: forward {result['forward_ms']:.2f} ms, backward {result['backward_ms']:.2f} ms"
+                      + memory)
     else:
         progress.line(f"{result['status']}: {str(result.get('reason', '')).splitlines()[0] if result.get('reason') else ''}")
     return result
@@ -393,13 +526,14 @@ def run_case(case: BenchCase, routing: RoutingSpec, backends: Sequence[str], rat
                           sent=counts.sent, received=counts.received,
                           received_remote=counts.received_remote, sent_remote=counts.sent_remote,
                           rates=rates)
+    need = routed_rows_need(counts.received, shape.hidden, shape.ffn_hidden)
     plan = None
     if args.check_tokens and any(b != "reference" for b in backends):
         plan = plan_check(case, routing, experts, batch, args, env, seed, progress)
     results = []
     for i, name in enumerate(backends):
         progress.set_context(f"{case_text} | {name} ({i + 1}/{len(backends)})")
-        results.append(run_backend(name, case, batch, experts, plan, floors, args, env, progress))
+        results.append(run_backend(name, case, batch, experts, plan, floors, args, env, progress, need))
     progress.set_context("")
     del batch, experts, fc1, fc2, plan
     gc.collect()
@@ -413,6 +547,7 @@ def run_case(case: BenchCase, routing: RoutingSpec, backends: Sequence[str], rat
         "routes": counts.to_json(),
         "model_flops_forward": model_flops(case.tokens_per_gpu, shape.topk, shape.hidden, shape.ffn_hidden),
         "floors": {k: v.to_json() for k, v in floors.items()},
+        "routed_rows_need": need,
         "results": results,
     }
 

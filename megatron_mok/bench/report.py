@@ -69,7 +69,11 @@ def _first_line(text: str) -> str:
 # Layer benchmark.
 
 LAYER_COLUMNS = ("backend", "fwd ms", "fwd TFLOP/s", "fwd/floor", "bwd ms", "bwd TFLOP/s",
-                 "bwd/floor", "comm GB/s", "max rel err")
+                 "bwd/floor", "comm GB/s", "peak MiB", "act MiB", "act/need", "max rel err")
+"""Columns of the layer table. Memory (GPU runs; "-" elsewhere): "peak MiB" = peak allocated
+during one forward + backward over what was allocated before it, "act MiB" = that minus the
+gradients the backward returns (the activation memory), "act/need" = activation memory over the
+routed-rows need (:func:`memory_line`); each the largest rank's."""
 
 
 def _backend_label(result: Dict[str, object]) -> str:
@@ -89,7 +93,8 @@ def _layer_row(result: Dict[str, object]) -> List[str]:
     return [_backend_label(result), _fmt(result["forward_ms"]), _fmt(result["forward_tflops"], 0),
             _fmt(result["forward_vs_floor"]), _fmt(result["backward_ms"]),
             _fmt(result["backward_tflops"], 0), _fmt(result["backward_vs_floor"]),
-            _fmt(comm, 0), err]
+            _fmt(comm, 0), _fmt(result.get("peak_mib"), 0), _fmt(result.get("activation_mib"), 0),
+            _fmt(result.get("activation_vs_need")), err]
 
 
 def floors_line(run: Dict[str, object]) -> str:
@@ -100,6 +105,17 @@ def floors_line(run: Dict[str, object]) -> str:
         parts.append(f"{name} floor {_fmt(f['floor_ms'])} ms ({f['bound']}-bound; compute "
                      f"{_fmt(f['compute_ms'])}, HBM {_fmt(f['hbm_ms'])}, NVLink {_fmt(f['nvlink_ms'])})")
     return "; ".join(parts)
+
+
+def memory_line(run: Dict[str, object]) -> str:
+    """One line naming the routed-rows need of a run: the rows the largest rank's experts
+    compute times the training ring's bytes a row, in MiB; empty for a record without it."""
+    need = run.get("routed_rows_need")
+    if not need:
+        return ""
+    rows = max(need["rows_per_rank"]) if need["rows_per_rank"] else 0
+    return (f"routed-rows need {_fmt(need['mib'], 0)} MiB ({rows} routed rows on the largest rank x "
+            f"{need['bytes_per_row']} bytes: x, router weight, gate|up)")
 
 
 def layer_table(run: Dict[str, object]) -> str:
@@ -115,6 +131,8 @@ def layer_table(run: Dict[str, object]) -> str:
         else:
             lines.append(f"{r[0].ljust(widths[0])}  {r[1]}")
     lines.append(floors_line(run))
+    if memory_line(run):
+        lines.append(memory_line(run))
     return "\n".join(lines)
 
 
@@ -137,12 +155,15 @@ def layer_markdown(doc: Dict[str, object]) -> str:
             out.append("| " + " | ".join(row) + " |")
         out.append("")
         out.append(floors_line(run) + ".")
+        if memory_line(run):
+            out.append(memory_line(run) + ".")
         out.append("")
     return "\n".join(out)
 
 
 def _grouped_bars(ax, groups: List[str], series: List[str], values: Dict[str, List[Optional[float]]],
-                  order: Sequence[str], floors: Optional[List[float]] = None, unit: str = "ms") -> None:
+                  order: Sequence[str], floors: Optional[List[Optional[float]]] = None, unit: str = "ms",
+                  floor_label: str = "floor: max(compute, HBM, NVLink)") -> None:
     import numpy as np
 
     n = max(1, len(series))
@@ -158,9 +179,13 @@ def _grouped_bars(ax, groups: List[str], series: List[str], values: Dict[str, Li
                         ha="center", va="bottom", fontsize=7, rotation=90 if n > 4 else 0,
                         xytext=(0, 2), textcoords="offset points")
     if floors is not None:
+        labelled = False
         for i, f in enumerate(floors):
+            if f is None:
+                continue
             ax.hlines(f, xs[i] - 0.45, xs[i] + 0.45, colors="black", linestyles="--", linewidth=1.2,
-                      label="floor: max(compute, HBM, NVLink)" if i == 0 else None)
+                      label=None if labelled else floor_label)
+            labelled = True
     ax.set_xticks(xs)
     ax.set_xticklabels(groups, fontsize=8)
     ax.margins(y=0.15)
@@ -169,7 +194,9 @@ def _grouped_bars(ax, groups: List[str], series: List[str], values: Dict[str, Li
 
 def layer_chart(doc: Dict[str, object], path: str) -> None:
     """Grouped bar chart of a layer-benchmark document: one group per run (shape and expert
-    count), one bar per backend, forward and backward side by side, floors dashed."""
+    count), one bar per backend, forward and backward side by side, floors dashed; when the
+    activation memory was measured (GPU runs), a third panel with it (MiB, largest rank), the
+    routed-rows need dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,19 +207,32 @@ def layer_chart(doc: Dict[str, object], path: str) -> None:
     ran = {r["backend"] for run in runs for r in run["results"] if r["status"] == "ok"}
     series = [b for b in order if b in ran] + sorted(ran - set(order))
     groups = [run["label"].replace(", ", "\n") for run in runs]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 3.2 * len(runs) + 3.0), 4.8), squeeze=False)
+
+    def value(run, backend, key):
+        match = [r for r in run["results"] if r["backend"] == backend and r["status"] == "ok"]
+        return match[0].get(key) if match else None
+
+    memory = any(value(run, b, "activation_mib") is not None for run in runs for b in series)
+    panels = 3 if memory else 2
+    width = max(8.0, 3.2 * len(runs) + 3.0) * panels / 2
+    fig, axes = plt.subplots(1, panels, figsize=(width, 4.8), squeeze=False)
     for ax, name in zip(axes[0], ("forward", "backward")):
-        values = {}
-        for b in series:
-            vals = []
-            for run in runs:
-                match = [r for r in run["results"] if r["backend"] == b and r["status"] == "ok"]
-                vals.append(match[0][f"{name}_ms"] if match else None)
-            values[b] = vals
+        values = {b: [value(run, b, f"{name}_ms") for run in runs] for b in series}
         floors = [run["floors"][name]["floor_ms"] for run in runs]
         _grouped_bars(ax, groups, series, values, order, floors)
         ax.set_title(f"{name}")
         ax.set_ylabel("latency (ms), median of the slowest rank")
+    if memory:
+        ax = axes[0][2]
+        values = {b: [value(run, b, "activation_mib") for run in runs] for b in series}
+        needs = [(run.get("routed_rows_need") or {}).get("mib") for run in runs]
+        need_label = "routed-rows need: real routed rows x training-ring bytes a row"
+        _grouped_bars(ax, groups, series, values, order, needs, floor_label=need_label)
+        ax.set_title("activation memory, forward + backward")
+        ax.set_ylabel("MiB, peak minus returned gradients (largest rank)")
+        need_lines = [h for h, label in zip(*ax.get_legend_handles_labels()) if label == need_label]
+        if need_lines:
+            ax.legend(need_lines, ["routed-rows need"], fontsize=7, loc="upper left")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
     first = runs[0]["case"] if runs else {"tokens_per_gpu": 0, "ep_size": 0}

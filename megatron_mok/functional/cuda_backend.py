@@ -12,23 +12,18 @@ Forward, on every rank (P ranks, L local experts):
 5. push combine: each output row to its (token, slot) on its home rank; barrier;
 6. y[t] = sum over slots j = 0 .. K-1 (fixed order).
 
-The router weight is applied inside the expert (on h, before fc2), as Megatron does; its
-gradient comes out of the SwiGLU backward. Backward mirrors the forward: publish dy;
-reverse-combine pulls it; fc2 dgrad, SwiGLU backward (d gate, d up, d router weight), fc1
-dgrad and the weight gradients; reverse-dispatch pushes dX and d router weight per slot;
-the fixed-order slot sum gives dx.
+Steps 3-5 run chunk by chunk over the layout, and a forward with grad keeps the activations of
+the training ring's rows only (functional/training.py). The expert FFN is functional/expert_ffn.py.
 
-Weight segments (``mok_moe``'s tuple weights: routed experts and a shared expert in tensors of
-their own) run each GEMM once per segment on its experts' rows (offsets and counts from the
-segment's first expert on), into one output, and give each segment its own weight gradient: no
-copy of any weight. That needs MoK's fused Hopper GEMMs; otherwise the segments are
-concatenated first (:func:`weight_arguments`).
+The router weight is applied inside the expert (on h, before fc2), as Megatron does; its
+gradient comes out of the SwiGLU backward. Backward mirrors the forward
+(:func:`training.moe_backward`): publish dy; reverse-combine pulls it; fc2 dgrad, SwiGLU backward
+(d gate, d up, d router weight), fc1 dgrad and the weight gradients; reverse-dispatch pushes dX
+and d router weight per slot; the fixed-order slot sum gives dx.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -36,13 +31,13 @@ from torch.autograd.function import once_differentiable
 
 from ..config import GPU_TILE_ROWS, MoKConfig
 from ..ops import comm as comm_ops
-from ..ops import grouped_gemm as mok_gemm
-from ..ops import swiglu as swiglu_ops
+from . import training
 from .backend import CallSpec, gpu_unavailable_reason
+from .expert_ffn import ExpertCall, expert_call, weight_arguments
 from .validate import MoEShape
 from .workspace import Workspace, get_workspace
 
-SITE_FWD_DISPATCH, SITE_FWD_COMBINE, SITE_BWD_DISPATCH, SITE_BWD_COMBINE = 1, 2, 3, 4
+SITE_FWD_DISPATCH, SITE_FWD_COMBINE = 1, 2  # the backward's: training.SITE_BWD_*
 
 
 def unsupported_reason(shape: MoEShape, config: MoKConfig) -> str | None:
@@ -58,220 +53,39 @@ def unsupported_reason(shape: MoEShape, config: MoKConfig) -> str | None:
     return None
 
 
-def hopper_gemms_apply(shape: MoEShape, tile_rows: int) -> bool:
-    """Whether MoK's Hopper grouped GEMMs (csrc/include/mok/grouped_gemm.h) take this shape:
-    fc2 and the fc1 data gradient need H % 256 == 0, the weight gradients 2I % 128 == 0,
-    H % 256 == 0 and I % 256 == 0; layouts padded to 64 or 128 rows. Where they do, SwiGLU runs
-    in fc1's epilogue and its backward in the fc2 data gradient's (measured at or above
-    torch._grouped_mm plus the separate SwiGLU kernels at every shape, docs/perf-notes.md);
-    elsewhere the GEMMs are torch._grouped_mm and SwiGLU runs as separate kernels."""
-    return tile_rows in GPU_TILE_ROWS and shape.hidden % 256 == 0 and shape.ffn_hidden % 256 == 0
-
-
-@dataclass(frozen=True)
-class ExpertCall:
-    """How one rank runs the expert FFN and its communication for one (config, shape): the
-    schedule's segment padding, the timeout, E and the GEMM family. Built once per (config,
-    shape) (:func:`expert_call`); it holds no buffer, so caching it keeps nothing alive."""
-
-    segment_rows: int
-    timeout_s: float
-    num_experts: int
-    hopper_gemms: bool  # MoK's Hopper GEMMs with SwiGLU fused (hopper_gemms_apply), else torch's
-
-
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """torch._grouped_mm with int32 group end offsets kept on the device."""
-    return torch._grouped_mm(a, b, offs=ends)
-
-
-def _weight_grad(call: ExpertCall, a, b, offsets):
-    """[L, M, N] = a[rows of e]^T b[rows of e] per expert, bf16."""
-    if call.hopper_gemms:
-        return mok_gemm.weight_grad(a, b, offsets, out_dtype=torch.bfloat16)
-    return _grouped_mm(a.t(), b, offsets[1:])
-
-
-# ---- weight segments -------------------------------------------------------------------------
-# A second weight segment (a shared expert in parameters of its own) is read where it lies by
-# MoK's Hopper GEMMs (one launch per segment, offsets from the segment's first expert on);
-# with torch._grouped_mm the segments are concatenated first (weight_arguments).
-
-
-def _segments(weights, offsets, counts):
-    """(weight segment, its offsets [L_i + 1], its counts [L_i]) for each segment, in order."""
-    out, l0 = [], 0
-    for w in weights:
-        l1 = l0 + w.shape[0]
-        out.append((w, offsets[l0:l1 + 1], counts[l0:l1]))
-        l0 = l1
-    return out
-
-
-def _fc1_swiglu_segments(call: ExpertCall, x_disp, fc1s, offsets, counts, w_disp):
-    """h bf16 [R, I] and gu bf16 [R, 2I], as ``mok_gemm.fc1_swiglu(..., save_preact=True)``
-    over the concatenated segments."""
-    R, two_i = x_disp.shape[0], fc1s[0].shape[1]
-    h, gu = x_disp.new_empty((R, two_i // 2)), x_disp.new_empty((R, two_i))
-    for w, offs, cnts in _segments(fc1s, offsets, counts):
-        v = mok_gemm.check_fc1_swiglu(x_disp, w, offs, cnts, w_disp, call.segment_rows)
-        mok_gemm.launch_fc1_swiglu(x_disp, w, offs, cnts, w_disp, h, gu, variant=v)
-    return h, gu
-
-
-def _plain_gemm_segments(call: ExpertCall, a, weights, offsets, counts, cols: int, check, launch):
-    """out bf16 [R, cols] of a row GEMM without an epilogue of its own (``check`` / ``launch``:
-    ``mok_gemm``'s fc2 or fc1-data-gradient pair), one launch per segment into ``out``."""
-    out = a.new_empty((a.shape[0], cols))
-    for w, offs, _ in _segments(weights, offsets, counts):
-        launch(a, w, offs, out, variant=check(a, w, offs, call.segment_rows))
-    return out
-
-
-def _fc2_dgrad_swiglu_segments(call: ExpertCall, d_out, fc2s, ab, offsets, counts, w_disp):
-    """(d_ab bf16 [R, 2I], d router weight fp32 [R], h bf16 [R, I]), as
-    ``mok_gemm.fc2_dgrad_swiglu(..., want_h=True)`` over the concatenated segments."""
-    R, I = d_out.shape[0], fc2s[0].shape[2]
-    d_ab, h = d_out.new_empty((R, 2 * I)), d_out.new_empty((R, I))
-    dw = d_out.new_empty((R,), dtype=torch.float32)
-    scratch = d_out.new_empty((mok_gemm.dgrad_scratch_floats(R, I),), dtype=torch.float32)
-    for w, offs, cnts in _segments(fc2s, offsets, counts):
-        v = mok_gemm.check_fc2_dgrad_swiglu(d_out, w, ab, offs, cnts, w_disp, call.segment_rows)
-        mok_gemm.launch_fc2_dgrad_swiglu(d_out, w, ab, offs, cnts, w_disp, d_ab, h, dw, scratch, variant=v)
-    return d_ab, dw, h
-
-
-def _weight_grad_segments(a, b, weights, offsets, counts):
-    """Per segment [L_i, M, N] = a[rows of e]^T b[rows of e], bf16."""
-    return [mok_gemm.weight_grad(a, b, offs, out_dtype=torch.bfloat16) for _, offs, _ in
-            _segments(weights, offsets, counts)]
-
-
-def expert_forward(call: ExpertCall, x_disp, w_disp, fc1, fc2, offsets, counts, fc1_2=None, fc2_2=None):
-    """The expert FFN on the expert-grouped layout: (out_rows bf16 [R, H], h bf16 [R, I] =
-    w * silu(gate) * up, ab bf16 [R, 2I] = the fc1 pre-activation gate | up) for x_disp bf16
-    [R, H] and router weights w_disp fp32 [R]. fc1_2 / fc2_2: the second weight segment or None."""
-    if fc1_2 is not None:  # weight segments: MoK's GEMMs read each where it lies
-        hw, ab = _fc1_swiglu_segments(call, x_disp, (fc1, fc1_2), offsets, counts, w_disp)
-        out_rows = _plain_gemm_segments(call, hw, (fc2, fc2_2), offsets, counts, fc2.shape[1],
-                                        mok_gemm.check_fc2, mok_gemm.launch_fc2)
-    elif call.hopper_gemms:
-        hw, ab = mok_gemm.fc1_swiglu(x_disp, fc1, offsets, counts, w_disp, tile_rows=call.segment_rows,
-                                     save_preact=True)
-        out_rows = mok_gemm.fc2(hw, fc2, offsets, tile_rows=call.segment_rows)
-    else:
-        ab = _grouped_mm(x_disp, fc1.transpose(1, 2), offsets[1:])
-        hw = swiglu_ops.swiglu_forward(ab, w_disp, offsets)
-        out_rows = _grouped_mm(hw, fc2.transpose(1, 2), offsets[1:])
-    return out_rows, hw, ab
-
-
-def expert_backward(call: ExpertCall, d_out, x_disp, w_disp, ab, fc1, fc2, offsets, counts, fc1_2=None, fc2_2=None):
-    """The expert FFN's backward on the expert-grouped layout, for the pulled output gradients
-    d_out bf16 [R, H] and the saved x_disp bf16 [R, H], w_disp fp32 [R], ab bf16 [R, 2I].
-
-    Returns:
-        (dx_rows bf16 [R, H], d router weight fp32 [R], d_fc1 bf16 [L1, 2I, H],
-        d_fc2 bf16 [L1, H, I], d_fc1_2, d_fc2_2 (the second segment's, or None)).
-    """
-    d_fc1_2 = d_fc2_2 = None
-    if fc1_2 is not None:  # weight segments: a gradient per segment
-        fc1s, fc2s = (fc1, fc1_2), (fc2, fc2_2)
-        d_ab, dw_rows, hw = _fc2_dgrad_swiglu_segments(call, d_out, fc2s, ab, offsets, counts, w_disp)
-        d_fc2, d_fc2_2 = _weight_grad_segments(d_out, hw, fc2s, offsets, counts)
-        d_fc1, d_fc1_2 = _weight_grad_segments(d_ab, x_disp, fc1s, offsets, counts)
-        dx_rows = _plain_gemm_segments(call, d_ab, fc1s, offsets, counts, fc1.shape[2],
-                                       mok_gemm.check_fc1_dgrad, mok_gemm.launch_fc1_dgrad)
-        return dx_rows, dw_rows, d_fc1, d_fc2, d_fc1_2, d_fc2_2
-    if call.hopper_gemms:
-        d_ab, dw_rows, hw = mok_gemm.fc2_dgrad_swiglu(d_out, fc2, ab, offsets, counts, w_disp,
-                                                      tile_rows=call.segment_rows, want_h=True)
-    else:
-        g = _grouped_mm(d_out, fc2, offsets[1:])  # dL/d(hw) [R, I]
-        d_ab, dw_rows, hw = swiglu_ops.swiglu_backward(ab, w_disp, g, offsets, True)
-    d_fc2 = _weight_grad(call, d_out, hw, offsets)  # [L, H, I]
-    d_fc1 = _weight_grad(call, d_ab, x_disp, offsets)  # [L, 2I, H]
-    if call.hopper_gemms:
-        dx_rows = mok_gemm.fc1_dgrad(d_ab, fc1, offsets, tile_rows=call.segment_rows)
-    else:
-        dx_rows = _grouped_mm(d_ab, fc1, offsets[1:])
-    return dx_rows, dw_rows, d_fc1, d_fc2, d_fc1_2, d_fc2_2
-
-
-def moe_backward(ws: Workspace, call: ExpertCall, dy: torch.Tensor, saved, tokens: int):
-    """The layer backward shared by the ``cuda`` and ``megakernel`` backends, on workspace
-    ``ws`` and what their forward saved: ``saved`` = (topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts,
-    fc1_2, fc2_2). Publishes dy bf16 [T, H], pulls it to the experts' ranks (reverse combine),
-    runs :func:`expert_backward` and pushes dX and the router-weight gradient home (reverse
-    dispatch), then sums the K slots of each token in a fixed order.
-
-    Returns:
-        (dx bf16 [T, H], d topk_weights fp32 [T, K], d_fc1, d_fc2, d_fc1_2, d_fc2_2).
-    """
-    topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts, fc1_2, fc2_2 = saved
-    ws.raise_if_failed(call.timeout_s)
-    K, H = ws.layout.topk, ws.layout.hidden
-    capacity = table.shape[0]
-    ws.publish_rows(dy.to(torch.bfloat16).contiguous())
-    ws.barrier(SITE_BWD_DISPATCH, call.timeout_s)
-    d_out, _ = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, 0, table, offsets, K, capacity, H, False, 0)
-    dx_rows, dw_rows, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = expert_backward(call, d_out, x_disp, w_disp, ab, fc1, fc2,
-                                                                      offsets, counts, fc1_2, fc2_2)
-    comm_ops.push_rows(ws.bases, ws.layout.slots, ws.layout.scalars, table, offsets, K, dx_rows, dw_rows, 0)
-    ws.barrier(SITE_BWD_COMBINE, call.timeout_s)
-    dx, dw = comm_ops.sum_slots(ws.slots[:tokens], topk_ids, call.num_experts, ws.scalars[:tokens], ws.status)
-    ws.mirror_status()
-    return dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2
-
-
 class _CudaMoE(torch.autograd.Function):
     """fc1_2 / fc2_2: None, or the second weight segment (local experts L1 ..), read in place."""
 
     @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, ws: Workspace, call: ExpertCall, fc1_2=None, fc2_2=None):
+    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, ws: Workspace, call: ExpertCall, spec: CallSpec,
+                fc1_2=None, fc2_2=None):
         ws.raise_if_failed(call.timeout_s)
-        T, K = topk_ids.shape
-        H = x.shape[1]
+        T = topk_ids.shape[0]
         table, counts, offsets, capacity = ws.dispatch(x, topk_ids, topk_weights, SITE_FWD_DISPATCH, call.timeout_s,
                                                        call.segment_rows)
-        x_disp, w_disp = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, table, offsets,
-                                            K, capacity, H, True, 0)
-        out_rows, _, ab = expert_forward(call, x_disp, w_disp, fc1, fc2, offsets, counts, fc1_2, fc2_2)
-        comm_ops.push_rows(ws.bases, ws.layout.slots, 0, table, offsets, K, out_rows, None, 0)
+        plan = training.training_plan(spec.config, spec.shape, capacity, call.segment_rows, call.hopper_gemms)
+        training_call = any(ctx.needs_input_grad)
+        kept = training.cuda_forward(ws, call, plan, table, offsets, counts, fc1, fc2, fc1_2, fc2_2, training_call)
         ws.barrier(SITE_FWD_COMBINE, call.timeout_s)
         y, _ = comm_ops.sum_slots(ws.slots[:T], topk_ids, call.num_experts, None, ws.status)
-        # The workspace is shared by every layer: keep what the backward needs outside it.
-        ctx.save_for_backward(topk_ids, fc1, fc2, table, offsets, x_disp, w_disp, ab, counts, fc1_2, fc2_2)
         ws.mirror_status()
-        ctx.ws, ctx.call, ctx.tokens = ws, call, T
+        if training_call:
+            # The workspace is shared by every layer: what the backward reads is kept outside it
+            # (x and topk_weights are the caller's tensors, kept for replay).
+            ctx.save_for_backward(x, topk_ids, topk_weights, fc1, fc2, fc1_2, fc2_2, table, offsets, counts,
+                                  *[t for k in kept for t in k])
+            ctx.ws, ctx.call, ctx.plan = ws, call, plan
         return y
 
     @staticmethod
     @once_differentiable  # a second derivative through MoK raises instead of being dropped
     def backward(ctx, dy):
-        dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = moe_backward(ctx.ws, ctx.call, dy, ctx.saved_tensors, ctx.tokens)
-        return dx, None, dw, d_fc1, d_fc2, None, None, d_fc1_2, d_fc2_2
-
-
-def weight_arguments(fc1s, fc2s, call: ExpertCall):
-    """The weight arguments of the autograd functions, (fc1, fc2, fc1_2, fc2_2): the segments
-    themselves where MoK's GEMMs read them in place (``call.hopper_gemms``), else one tensor
-    each (concatenated, a copy, when there are two segments; fc1_2 = fc2_2 = None)."""
-    fc1s = tuple(w.contiguous() for w in fc1s)  # TMA maps need row-major weights
-    fc2s = tuple(w.contiguous() for w in fc2s)
-    if len(fc1s) == 1:
-        return fc1s[0], fc2s[0], None, None
-    if call.hopper_gemms:
-        return fc1s[0], fc2s[0], fc1s[1], fc2s[1]
-    return torch.cat(fc1s), torch.cat(fc2s), None, None
-
-
-@functools.lru_cache(maxsize=256)
-def expert_call(config: MoKConfig, shape: MoEShape, ep_size: int, segment_rows: int) -> ExpertCall:
-    """The :class:`ExpertCall` for this config and shape (cached: every layer of a model asks on
-    every call)."""
-    return ExpertCall(segment_rows=segment_rows, timeout_s=float(config.timeout_s),
-                      num_experts=ep_size * shape.experts_per_rank, hopper_gemms=hopper_gemms_apply(shape, segment_rows))
+        x, topk_ids, topk_weights, fc1, fc2, fc1_2, fc2_2, table, offsets, counts, *flat = ctx.saved_tensors
+        kept = [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
+        dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = training.moe_backward(
+            ctx.ws, ctx.call, ctx.plan, kept, dy, x, topk_ids, topk_weights, table, offsets, counts, fc1, fc2,
+            fc1_2, fc2_2)
+        return dx, None, dw, d_fc1, d_fc2, None, None, None, d_fc1_2, d_fc2_2
 
 
 class CudaBackend:
@@ -294,4 +108,4 @@ class CudaBackend:
         call = expert_call(config, shape, spec.ep_size, config.tile_rows)
         fc1, fc2, fc1_2, fc2_2 = weight_arguments(fc1s, fc2s, call)
         return _CudaMoE.apply(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), fc1, fc2, ws, call,
-                              fc1_2, fc2_2)
+                              spec, fc1_2, fc2_2)

@@ -19,10 +19,11 @@ Forward, on every rank:
    fixed-order sum over the top-k slots. Memory: the ring, ``ring_rows * (H + I) * 2
    + ring_rows * 4`` bytes plus the counters, fixed by the config whatever the routing.
 
-Backward: when the call needs one, the launch also writes the activations the ``cuda``
-backend's backward reads (the pulled rows, their router weights and the fc1 pre-activation, at
-their expert-grouped layout rows: the same buffers and sizes as the ``cuda`` backend keeps), and
-the backward is :func:`cuda_backend.moe_backward` on them. A forward without grad keeps nothing.
+Backward: when the call needs one, the launch also writes the activations the backward reads
+(the pulled rows, their router weights and the fc1 pre-activation) for the first rows of the
+expert-grouped layout, as many as the training ring holds (``MoKConfig.training_ring_rows``), and
+the backward is :func:`training.moe_backward` (the ``cuda`` backend's kernels, chunk by chunk,
+replaying the rows past the ring). A forward without grad keeps nothing.
 
 Tunables: ``MoKConfig`` (comm SMs, minibatch, ring) and ``MoKConfig.megakernel`` (pair mode,
 group size), resolved once per (config, shape) by :func:`resolve_tunables`, whose ``None``
@@ -47,7 +48,7 @@ from torch.autograd.function import once_differentiable
 
 from ..config import MegakernelTunables, MoKConfig, MoKConfigError
 from ..ops import megakernel as mk_ops
-from . import cuda_backend
+from . import cuda_backend, expert_ffn, training
 from .backend import CallSpec, gpu_unavailable_reason
 from .groups import EPGroup, LocalEPRank, group_size_rank
 from .validate import MoEShape
@@ -171,7 +172,7 @@ class _Launch:
     config: MoKConfig       # resolved (resolve_tunables)
     num_ctas: int
     comm_ctas_no_grad: int  # comm CTAs of a launch that saves no activations (forward_comm_sms)
-    expert_call: cuda_backend.ExpertCall  # the backward's
+    expert_call: expert_ffn.ExpertCall  # the backward's
 
 
 class _WorkspaceState:
@@ -200,16 +201,19 @@ def get_ring(ws: Workspace, ring_rows: int, ffn_hidden: int) -> _Ring:
     return rings[key]
 
 
-def _run_forward(x, topk_ids, topk_weights, fc1, fc2, ws: Workspace, launch: _Launch, fc1_2, fc2_2, training: bool):
+def _run_forward(x, topk_ids, topk_weights, fc1, fc2, ws: Workspace, launch: _Launch, spec: CallSpec, fc1_2, fc2_2,
+                 training_call: bool):
     """The forward launch (prologue, then the persistent kernel). Returns ``(y, saved)``: y bf16
-    [T, H]; saved: what :func:`cuda_backend.moe_backward` reads when ``training``, else None."""
+    [T, H]; saved, when ``training_call``: (plan, table, offsets, counts, kept x [N, H], kept router
+    weights [N], kept gate | up [N, 2I]) for :func:`training.moe_backward`, N the plan's kept rows;
+    else None."""
     ring, cfg = launch.ring, launch.config
     c = mk_ops.constants()
-    comm_ctas = cfg.comm_sms_forward if training else launch.comm_ctas_no_grad
-    timeout_s = launch.expert_call.timeout_s
-    ws.raise_if_failed(timeout_s)
-    table, counts, offsets, _ = ws.dispatch(x, topk_ids, topk_weights, cuda_backend.SITE_FWD_DISPATCH,
-                                            timeout_s, c.block_rows)
+    comm_ctas = cfg.comm_sms_forward if training_call else launch.comm_ctas_no_grad
+    call = launch.expert_call
+    ws.raise_if_failed(call.timeout_s)
+    table, counts, offsets, capacity = ws.dispatch(x, topk_ids, topk_weights, cuda_backend.SITE_FWD_DISPATCH,
+                                                   call.timeout_s, c.block_rows)
     trace = None
     sink = _trace_sink.get()
     if sink is not None:
@@ -219,25 +223,25 @@ def _run_forward(x, topk_ids, topk_weights, fc1, fc2, ws: Workspace, launch: _La
         sink.append(dict(records=trace, minibatch_rows=cfg.minibatch_rows, ring_rows=cfg.ring_rows,
                          comm_ctas=comm_ctas, hidden=H, ffn_hidden=I, num_ctas=launch.num_ctas,
                          pairs=cfg.megakernel.pairs, group_blocks=cfg.megakernel.group_blocks))
-    saved = (None, None, None)
-    if training:  # the cuda backend's activations, written by the launch
-        R, H, two_i = table.shape[0], fc1.shape[2], fc1.shape[1]
-        saved = (torch.empty((R, H), dtype=torch.bfloat16, device=x.device),
-                 torch.empty((R,), dtype=torch.float32, device=x.device),
-                 torch.empty((R, two_i), dtype=torch.bfloat16, device=x.device))
+    plan, saved = None, (None, None, None)
+    if training_call:  # the launch writes the kept rows' activations (the training ring)
+        plan = training.training_plan(spec.config, spec.shape, capacity, c.block_rows, call.hopper_gemms)
+        N, H, two_i = training.kept_rows(plan), fc1.shape[2], fc1.shape[1]
+        saved = (torch.empty((N, H), dtype=torch.bfloat16, device=x.device),
+                 torch.empty((N,), dtype=torch.float32, device=x.device),
+                 torch.empty((N, two_i), dtype=torch.bfloat16, device=x.device))
     # The backend checked every argument when it prepared the launch (and built the schedule,
     # trace and copies here): the eager path skips the op's checks, torch.compile sees the op.
     run_kernel = mk_ops.megakernel_forward if torch.compiler.is_compiling() else mk_ops.launch_forward
     y = run_kernel(
         ws.bases, ws.signal_bases, ws.layout.rows, ws.layout.scalars, ws.layout.slots, table, offsets, counts,
         topk_ids, fc1, fc2, ring.x, ring.h, ring.w, ring.counters, ws.counter, ws.status, ws.rank,
-        cfg.minibatch_rows, comm_ctas, launch.num_ctas, int(timeout_s * 1e9), trace, *saved,
+        cfg.minibatch_rows, comm_ctas, launch.num_ctas, int(call.timeout_s * 1e9), trace, *saved,
         fc1_2, fc2_2, pairs=cfg.megakernel.pairs, group_blocks=cfg.megakernel.group_blocks)
     ws.mirror_status()
-    if not training:
+    if not training_call:
         return y, None
-    save_x, save_w, save_gu = saved
-    return y, (topk_ids, fc1, fc2, table, offsets, save_x, save_w, save_gu, counts, fc1_2, fc2_2)
+    return y, (plan, table, offsets, counts, *saved)
 
 
 class _MegakernelMoE(torch.autograd.Function):
@@ -245,20 +249,27 @@ class _MegakernelMoE(torch.autograd.Function):
     Only calls that need a backward go through it (:meth:`MegakernelBackend.run`)."""
 
     @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, ws, launch, fc1_2=None, fc2_2=None):
-        training = any(ctx.needs_input_grad)
-        y, saved = _run_forward(x, topk_ids, topk_weights, fc1, fc2, ws, launch, fc1_2, fc2_2, training)
-        if training:
-            ctx.save_for_backward(*saved)
-            ctx.ws, ctx.call, ctx.tokens = ws, launch.expert_call, x.shape[0]
+    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, ws, launch, spec, fc1_2=None, fc2_2=None):
+        training_call = any(ctx.needs_input_grad)
+        y, saved = _run_forward(x, topk_ids, topk_weights, fc1, fc2, ws, launch, spec, fc1_2, fc2_2, training_call)
+        if training_call:
+            plan, table, offsets, counts, save_x, save_w, save_gu = saved
+            # x and topk_weights are the caller's tensors, kept for replay.
+            ctx.save_for_backward(x, topk_ids, topk_weights, fc1, fc2, fc1_2, fc2_2, table, offsets, counts, save_x,
+                                  save_w, save_gu)
+            ctx.ws, ctx.call, ctx.plan = ws, launch.expert_call, plan
         return y
 
     @staticmethod
     @once_differentiable  # a second derivative through MoK raises instead of being dropped
     def backward(ctx, dy):
-        dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = cuda_backend.moe_backward(ctx.ws, ctx.call, dy, ctx.saved_tensors,
-                                                                           ctx.tokens)
-        return dx, None, dw, d_fc1, d_fc2, None, None, d_fc1_2, d_fc2_2
+        x, topk_ids, topk_weights, fc1, fc2, fc1_2, fc2_2, table, offsets, counts, save_x, save_w, save_gu = \
+            ctx.saved_tensors
+        kept = training.split_kept(ctx.plan, save_x, save_w, save_gu)
+        dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = training.moe_backward(
+            ctx.ws, ctx.call, ctx.plan, kept, dy, x, topk_ids, topk_weights, table, offsets, counts, fc1, fc2,
+            fc1_2, fc2_2)
+        return dx, None, dw, d_fc1, d_fc2, None, None, None, d_fc1_2, d_fc2_2
 
 
 def _prepared_launch(ws: Workspace, spec: CallSpec) -> Tuple[_Launch, bool]:
@@ -282,7 +293,7 @@ def _prepared_launch(ws: Workspace, spec: CallSpec) -> Tuple[_Launch, bool]:
     launch = _Launch(ring=get_ring(ws, resolved.ring_rows, shape.ffn_hidden), config=resolved,
                      num_ctas=share if isinstance(spec.ep_group, LocalEPRank) else 0,
                      comm_ctas_no_grad=config.forward_comm_sms(resolved, saves_activations=False),
-                     expert_call=cuda_backend.expert_call(config, shape, spec.ep_size, block_rows))
+                     expert_call=expert_ffn.expert_call(config, shape, spec.ep_size, block_rows))
     if os.environ.get(PRINT_CONFIG_ENV) == "1":
         log.warning("megatron-mok: megakernel launch for %s on EP rank %d of %d: %s, %d CTAs (0: every SM), "
                     "%d comm CTAs without grad", shape, ws.rank, spec.ep_size, resolved, launch.num_ctas,
@@ -316,7 +327,7 @@ class MegakernelBackend:
         ws.timeout_s = launch.expert_call.timeout_s
         x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
         # Segments stay where they are when the backward's GEMMs can read them too; else one copy.
-        fc1, fc2, fc1_2, fc2_2 = cuda_backend.weight_arguments(fc1s, fc2s, launch.expert_call)
+        fc1, fc2, fc1_2, fc2_2 = expert_ffn.weight_arguments(fc1s, fc2s, launch.expert_call)
         if first:
             # Everything the launch will check, before any GPU work (the schedule is built later). A
             # launch without grad takes fewer comm CTAs, still at least 2, so these checks cover it.
@@ -330,8 +341,9 @@ class MegakernelBackend:
         if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                 for t in (x, topk_weights, fc1, fc2, fc1_2, fc2_2))):
             # Nothing to differentiate: skip the autograd function's own host time (~30 us a call).
-            return _run_forward(x, topk_ids, topk_weights, fc1, fc2, ws, launch, fc1_2, fc2_2, training=False)[0]
-        return _MegakernelMoE.apply(x, topk_ids, topk_weights, fc1, fc2, ws, launch, fc1_2, fc2_2)
+            return _run_forward(x, topk_ids, topk_weights, fc1, fc2, ws, launch, spec, fc1_2, fc2_2,
+                                training_call=False)[0]
+        return _MegakernelMoE.apply(x, topk_ids, topk_weights, fc1, fc2, ws, launch, spec, fc1_2, fc2_2)
 
 
 @functools.lru_cache(maxsize=256)

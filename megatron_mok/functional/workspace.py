@@ -8,9 +8,10 @@ group the regions are torch symmetric memory (multicast is never used); for P = 
 the virtual ranks of :class:`LocalEPGroup` they are plain device allocations.
 
 Size, fixed up front and independent of the routing, per rank, for capacity T_cap tokens:
-``16P + 16 + T_cap*K*(8 + 4) + T_cap*H*2 + T_cap*K*H*2`` bytes (plus alignment): the
-per-(token, slot) rows dominate. Per-call tensors (the schedule table and the
-expert-grouped activations) are sized by the worst case ``P*T_cap*K + L*(tile-1)`` rows.
+``16P + 16 + T_cap*K*(8 + 4) + 2*T_cap*H*2 + T_cap*K*H*2`` bytes (plus alignment): the
+per-(token, slot) rows dominate. The schedule table (8 bytes a row) is sized by the worst case
+``P*T_cap*K + L*(tile-1)`` rows; the expert-grouped activations by the training ring and one
+chunk of rows (functional/training.py).
 
 Reuse across calls is safe because every call has two barriers: peers read this rank's
 published rows only between the first and the second barrier of a call, and write into its
@@ -57,6 +58,7 @@ class SymmetricLayout:
     ntok: int32, this rank's T;
     ids: int64 [T_cap, K]; scalars: fp32 [T_cap, K] (router weights out, dw slots in);
     rows: bf16 [T_cap, H] (x in the forward, dy in the backward);
+    rows_x: bf16 [T_cap, H] (x again in a backward that replays rows);
     slots: bf16 [T_cap, K, H] (expert outputs in the forward, dx per slot in the backward).
     """
 
@@ -69,6 +71,7 @@ class SymmetricLayout:
     ids: int
     scalars: int
     rows: int
+    rows_x: int
     slots: int
     total: int
 
@@ -76,7 +79,7 @@ class SymmetricLayout:
     def plan(P: int, max_tokens: int, topk: int, hidden: int) -> "SymmetricLayout":
         sizes = [("signals", 16 * P), ("ntok", 16), ("ids", 8 * max_tokens * topk),
                  ("scalars", 4 * max_tokens * topk), ("rows", 2 * max_tokens * hidden),
-                 ("slots", 2 * max_tokens * topk * hidden)]
+                 ("rows_x", 2 * max_tokens * hidden), ("slots", 2 * max_tokens * topk * hidden)]
         offsets, at = {}, 0
         for name, size in sizes:
             offsets[name] = at
@@ -122,6 +125,7 @@ class Workspace:
         self.ids = view(layout.ids, T * K, torch.int64).view(T, K)
         self.scalars = view(layout.scalars, T * K, torch.float32).view(T, K)
         self.rows = view(layout.rows, T * H, torch.bfloat16).view(T, H)
+        self.rows_x = view(layout.rows_x, T * H, torch.bfloat16).view(T, H)
         self.slots = view(layout.slots, T * K * H, torch.bfloat16).view(T, K, H)
 
     # -- capacity and status ---------------------------------------------------------------
@@ -193,6 +197,14 @@ class Workspace:
         the peers to pull (a forward publishes its tokens, ids and router weights in
         :meth:`dispatch`)."""
         self.rows[: rows.shape[0]].copy_(rows)
+
+    def publish_replay(self, x: torch.Tensor, weights: torch.Tensor) -> None:
+        """Copy this rank's tokens (bf16 [T, H]) and router weights (fp32 [T, K]) into its region
+        again, for a backward that replays rows (functional/training.py). The weights go where the
+        forward published them: each route's entry is read by the one rank that holds the route,
+        before that rank pushes the route's weight gradient into the same entry."""
+        self.rows_x[: x.shape[0]].copy_(x)
+        self.scalars[: weights.shape[0]].copy_(weights)
 
     def barrier(self, site: int, timeout_s: float) -> None:
         """Device-side barrier of the EP group (no-op for P = 1)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
-from ..config import MegakernelTunables, MoKConfig, MoKConfigError
+from ..config import TRAINING_RING_MARGIN, MegakernelTunables, MoKConfig, MoKConfigError
 from ..functional.validate import BACKENDS
 from .settings import SETTINGS_ATTRIBUTE, MoKLayerSettings
 
@@ -31,6 +31,7 @@ MOK_FLAGS = (
     "--mok-comm-sms-backward",
     "--mok-minibatch-rows",
     "--mok-ring-rows",
+    "--mok-training-ring-rows",
     "--mok-megakernel-pairs",
     "--mok-megakernel-group-blocks",
     "--mok-tile-rows",
@@ -75,6 +76,18 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--mok-ring-rows", type=int, default=None,
                        help="Rows of the ring token buffer (a multiple of the minibatch, at least "
                             "two minibatches; default: four minibatches).")
+    group.add_argument("--mok-training-ring-rows", type=int, default=None, metavar="N",
+                       help="Rows of the expert-grouped layout whose activations a forward with grad "
+                            "keeps for the backward (x, router weight, gate|up: 2H + 4 + 4I bytes a "
+                            "row); the backward replays the rows past it (a hot expert costs time, "
+                            "never memory). A multiple of --mok-tile-rows; 0 replays every row. "
+                            "Default (megatron_mok.config.default_training_ring_rows): the rows a "
+                            "rank receives with uniform routing (T x K: T tokens per rank of a "
+                            f"micro-batch, top-K) times {TRAINING_RING_MARGIN:g}, plus segment padding "
+                            "for the L local experts, and never fewer than the rank's own T x K "
+                            "routes can take with padding (one GPU never replays); rounded up to "
+                            "tile rows. Results never depend on it: every value gives bitwise the "
+                            "same output. Rank 0 logs the rows and bytes at start-up.")
     group.add_argument("--mok-megakernel-pairs", choices=tuple(_PAIRS), default="auto",
                        help="Run the megakernel in clusters of two CTAs that share each weight tile "
                             "(auto: the library's default, on, faster at every measured expert "
@@ -122,6 +135,7 @@ def settings_from_args(args: Any) -> MoKLayerSettings:
         comm_sms_backward=backward if backward is not None else both,
         minibatch_rows=getattr(args, "mok_minibatch_rows", None),
         ring_rows=getattr(args, "mok_ring_rows", None),
+        training_ring_rows=getattr(args, "mok_training_ring_rows", None),
         tile_rows=getattr(args, "mok_tile_rows", 128),
         timeout_s=getattr(args, "mok_timeout_s", 60.0),
         max_tokens_per_rank=getattr(args, "mok_max_tokens_per_rank", None),

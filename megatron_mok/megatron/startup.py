@@ -10,7 +10,8 @@
    validated arguments: the same settings check the layer runs at construction, the backend the
    MoE layers will run (:mod:`.backend_choice`: auto with no GPU backend that can run them
    fails here, saying why), and, when a GPU backend will run, the EP groups' NVLink domain
-   (:mod:`.peers`).
+   (:mod:`.peers`); then rank 0 prints how much memory the training ring reserves
+   (:func:`training_ring_line`).
 
 Everything fails before any process group or model exists, with one message.
 """
@@ -18,16 +19,19 @@ Everything fails before any process group or model exists, with one message.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, List, Optional
 
 import torch
 
-from .backend_choice import BackendChoice, choose_backend, model_dtype
+from ..config import training_ring_bytes
+from .backend_choice import BackendChoice, choose_backend, layer_shape, model_dtype
 from .peers import check_ep_domains_at_startup
 from .settings import MoKLayerSettings
 from .validation import check_supported, check_supported_args
 
-__all__ = ["check_args_before_megatron", "check_job_after_megatron", "local_device"]
+__all__ = ["check_args_before_megatron", "check_job_after_megatron", "local_device", "TrainingRing",
+           "tokens_per_rank", "moe_layer_count", "training_ring_of", "training_ring_line", "format_bytes"]
 
 
 def check_args_before_megatron(args: Any, settings: MoKLayerSettings) -> None:
@@ -60,4 +64,110 @@ def check_job_after_megatron(args: Any, config: Any, settings: MoKLayerSettings)
     choice = choose_backend(config, settings, device=device, dtype=model_dtype(config))
     if device is not None and choice.backend != "reference":
         check_ep_domains_at_startup(args)
+    if getattr(args, "rank", 0) == 0:
+        print(training_ring_line(training_ring_of(args, config, settings)), flush=True)
     return choice
+
+
+@dataclass(frozen=True)
+class TrainingRing:
+    """What the training ring of one job holds (``MoKConfig.training_ring_rows``, resolved).
+
+    Attributes:
+        rows: rows kept per MoE layer and micro-batch (``MoKConfig.training_ring``).
+        bytes_per_layer: ``training_ring_bytes(rows, H, I)``, bytes per MoE layer and micro-batch.
+        moe_layers: MoE layers of the model (decoder and MTP, :func:`moe_layer_count`).
+        tokens: T, tokens per rank of one micro-batch (:func:`tokens_per_rank`).
+        topk: K, routed slots per token (plus the fused shared expert's).
+        experts_per_rank: L, local experts (plus the fused shared expert's).
+        tile_rows: the GEMM row-block height the default rounds to.
+        configured: True when ``--mok-training-ring-rows`` set ``rows``, False for the default.
+    """
+
+    rows: int
+    bytes_per_layer: int
+    moe_layers: int
+    tokens: int
+    topk: int
+    experts_per_rank: int
+    tile_rows: int
+    configured: bool
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every MoE layer's ring for one micro-batch: ``bytes_per_layer * moe_layers``.
+        With pipeline parallelism a stage holds the rings of its own layers for each micro-batch
+        in flight, which under 1F1B on the first stage comes to about this sum."""
+        return self.bytes_per_layer * self.moe_layers
+
+
+def tokens_per_rank(args: Any) -> int:
+    """T, the tokens one rank's MoE layer takes per micro-batch: seq_length x micro_batch_size,
+    divided by the context-parallel size and, with sequence parallelism, by the tensor-parallel
+    size (the MoK layer's input is this rank's [S / (CP x TP), B, H] slice)."""
+    tokens = int(args.seq_length) * int(args.micro_batch_size)
+    tokens //= max(1, int(getattr(args, "context_parallel_size", 1) or 1))
+    if getattr(args, "sequence_parallel", False):
+        tokens //= max(1, int(getattr(args, "tensor_model_parallel_size", 1) or 1))
+    return tokens
+
+
+def _moe_pattern(config: Any) -> List[int]:
+    """1 for each decoder layer that is an MoE layer, 0 for a dense one (Megatron's reading of
+    ``moe_layer_freq``: an int N marks every N-th layer from the first, a list marks each)."""
+    layers = int(config.num_layers)
+    if not getattr(config, "num_moe_experts", None):
+        return [0] * layers
+    freq = getattr(config, "moe_layer_freq", 1)
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(layers)]
+    return [int(bool(v)) for v in freq]
+
+
+def moe_layer_count(config: Any) -> int:
+    """MoE layers of the model: the decoder layers ``moe_layer_freq`` marks, plus the MTP layers
+    when the last decoder layer is an MoE layer (Megatron builds each MTP layer from the last
+    decoder layer's spec)."""
+    pattern = _moe_pattern(config)
+    mtp = int(getattr(config, "mtp_num_layers", None) or 0)
+    return sum(pattern) + (mtp if pattern and pattern[-1] else 0)
+
+
+def training_ring_of(args: Any, config: Any, settings: MoKLayerSettings) -> TrainingRing:
+    """The training ring of the job: ``settings.config.training_ring`` for this rank's tokens
+    per micro-batch (:func:`tokens_per_rank` of ``args``) and the MoE layer shape of ``config``
+    (``TransformerConfig``: K, L and, with a fused shared expert, its slots and experts; H, I),
+    with its bytes."""
+    tokens = tokens_per_rank(args)
+    shape = layer_shape(config, settings, tokens=tokens)
+    cfg = settings.config
+    rows = cfg.training_ring(tokens=tokens, topk=shape.topk, experts_per_rank=shape.experts_per_rank)
+    return TrainingRing(rows=rows, bytes_per_layer=training_ring_bytes(rows, shape.hidden, shape.ffn_hidden),
+                        moe_layers=moe_layer_count(config), tokens=tokens, topk=shape.topk,
+                        experts_per_rank=shape.experts_per_rank, tile_rows=cfg.tile_rows,
+                        configured=cfg.training_ring_rows is not None)
+
+
+def format_bytes(count: int) -> str:
+    """``count`` bytes in GiB from 1 GiB up, else MiB, with three significant digits below 1000
+    (e.g. "1.21 GiB", "70.2 GiB", "824 MiB")."""
+    unit, value = ("GiB", count / 2 ** 30) if count >= 2 ** 30 else ("MiB", count / 2 ** 20)
+    digits = 2 if value < 10 else 1 if value < 100 else 0
+    return f"{value:.{digits}f} {unit}"
+
+
+def training_ring_line(ring: TrainingRing) -> str:
+    """The start-up line rank 0 prints: the training ring's rows and bytes per MoE layer and
+    micro-batch, the sum over the MoE layers, and where the rows come from. DeepSeek-V3 at EP 64
+    (4096 tokens, top-8, 4 experts per rank, 58 + 1 MTP MoE layers): ``> megatron-mok: MoK
+    training ring: 41216 rows per MoE layer and micro-batch (886 MiB; 59 MoE layers: 51.0 GiB held
+    until their backward) [the default for ...]``."""
+    if ring.configured:
+        source = f"--mok-training-ring-rows {ring.rows}"
+    else:
+        source = (f"the default for {ring.tokens} tokens per rank, top-{ring.topk}, {ring.experts_per_rank} "
+                  f"experts per rank; --mok-training-ring-rows sets it")
+    replay = "; every row is replayed in the backward" if ring.rows == 0 else ""
+    return (f"> megatron-mok: MoK training ring: {ring.rows} rows per MoE layer and micro-batch "
+            f"({format_bytes(ring.bytes_per_layer)}; {ring.moe_layers} MoE layer{'' if ring.moe_layers == 1 else 's'}: "
+            f"{format_bytes(ring.total_bytes)} held until their backward{replay}) [{source}]")

@@ -92,7 +92,7 @@ def _lib():
         "fc1_dgrad": lib.function("mok_gemm_fc1_dgrad", _i,
                                   [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _i, _v]),
         "wgrad": lib.function("mok_gemm_weight_grad", _i,
-                              [_v, _v, _v, _v, _i, _i, _i, _i64, _i, _i, _i, _i, _v]),
+                              [_v, _v, _v, _v, _i, _i, _i, _i64, _i, _i, _i, _i64, _i64, _v, _v, _i, _v]),
     }
 
 
@@ -270,6 +270,60 @@ def check_weight_grad(a, b, offsets, out=None) -> None:
             _fail(f"the weight-gradient output must be [L={L}, M={M}, N={N}], got {tuple(out.shape)}")
 
 
+WGRAD_ROW_BLOCK = 64
+"""Rows of a weight-gradient K block: the ranges of :func:`weight_grad_rows` start (and, but for
+the last, end) at multiples of it."""
+
+
+def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.device != y.device or x.numel() == 0 or y.numel() == 0:
+        return False
+    a, b = x.data_ptr(), y.data_ptr()
+    return a < b + y.numel() * y.element_size() and b < a + x.numel() * x.element_size()
+
+
+def check_weight_grad_rows(a, b, offsets, out, row0, row1, carry_in, carry_out, accumulate=False,
+                           tma_store=None) -> None:
+    """Validate :func:`weight_grad_rows`'s arguments (before any GPU work)."""
+    if not isinstance(out, torch.Tensor):
+        _fail(f"out must be the [L, M, N] fp32 or bf16 tensor to write into, got {type(out).__name__}")
+    check_weight_grad(a, b, offsets, out)
+    R, M = a.shape
+    N = b.shape[1]
+    if accumulate and out.dtype != torch.float32:
+        _fail(f"accumulating weight gradients needs an fp32 out (main_grad), got {out.dtype}")
+    if tma_store and out.dtype != torch.bfloat16:
+        _fail(f"tma_store writes a bf16 out, got {out.dtype}")
+    for name, v in (("row0", row0), ("row1", row1)):
+        if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
+            _fail(f"{name} must be an int, got {type(v).__name__}")
+    blk = WGRAD_ROW_BLOCK
+    if row0 < 0 or row0 % blk:
+        _fail(f"row0 = {row0} must be a non-negative multiple of {blk} (the K block of the weight gradients)")
+    if row0 + R >= 2 ** 31 - 1:
+        _fail(f"row0 + R = {row0 + R} rows: the layout's rows must stay below 2^31 - 1")
+    if row1 != row0 + R:
+        if row1 % blk or not row0 < row1 <= row0 + R:
+            _fail(f"row1 = {row1} must be a multiple of {blk} in ({row0}, row0 + R = {row0 + R}] (a and b hold "
+                  f"the R = {R} rows from row0 on), or exactly row0 + R (all of them)")
+    for name, c in (("carry_in", carry_in), ("carry_out", carry_out)):
+        if c is None:
+            continue
+        _check_matrix(name, c, torch.float32, 2, a.device)
+        if tuple(c.shape) != (M, N):
+            _fail(f"{name} must be fp32 [M={M}, N={N}] (one expert's partial sum), got {tuple(c.shape)}")
+    if row0 > 0 and carry_in is None:
+        _fail(f"carry_in is needed when row0 = {row0} > 0 (the partial sum of the expert whose rows began "
+              "in the previous range)")
+    if carry_in is not None and carry_out is not None:
+        if carry_in is carry_out or (not torch.compiler.is_compiling() and _overlap(carry_in, carry_out)):
+            _fail("carry_in and carry_out must not overlap (alternate two buffers between ranges)")
+    if not torch.compiler.is_compiling():
+        for name, c in (("carry_in", carry_in), ("carry_out", carry_out)):
+            if c is not None and _overlap(c, out):
+                _fail(f"{name} must not overlap out")
+
+
 # ---- launchers (write into given outputs) ----------------------------------------------------
 
 def _vargs(v: Variant):
@@ -339,9 +393,12 @@ def launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, *, variant: Variant, num_ctas
 
 
 def launch_weight_grad(a, b, offsets, out, *, accumulate: bool = False, tma_store: Optional[bool] = None,
-                       num_ctas: int = 0) -> None:
+                       num_ctas: int = 0, row0: int = 0, row1: Optional[int] = None,
+                       carry_in: Optional[torch.Tensor] = None, carry_out: Optional[torch.Tensor] = None) -> None:
     """out[e] (+)= a_e^T b_e over expert e's rows; ``out`` fp32 or bf16 [L, M, N].
-    ``tma_store`` (bf16 out only) defaults to :data:`WGRAD_TMA_STORE` for bf16."""
+    ``tma_store`` (bf16 out only) defaults to :data:`WGRAD_TMA_STORE` for bf16. ``row0``,
+    ``row1`` (None: row0 + R), ``carry_in``, ``carry_out``: a range of the layout's rows, as in
+    :func:`weight_grad_rows` (a, b [R, .] hold rows row0 .. row0 + R - 1)."""
     lib, fns = _lib()
     R, M = a.shape
     N = b.shape[1]
@@ -351,7 +408,8 @@ def launch_weight_grad(a, b, offsets, out, *, accumulate: bool = False, tma_stor
         _fail("accumulating weight gradients needs an fp32 output (main_grad)")
     tma = (out_bf16 and WGRAD_TMA_STORE) if tma_store is None else bool(tma_store)
     code = fns["wgrad"](ptr(a), ptr(b), ptr(offsets), ptr(out), int(out_bf16), int(accumulate), int(tma), R, L,
-                        M, N, num_ctas, stream_of(a))
+                        M, N, int(row0), int(row0 + R if row1 is None else row1), ptr(carry_in), ptr(carry_out),
+                        num_ctas, stream_of(a))
     lib.check(code, "mok_gemm_weight_grad")
 
 
@@ -476,6 +534,22 @@ def gemm_weight_grad_accumulate_op(a: torch.Tensor, b: torch.Tensor, offsets: to
 
 @gemm_weight_grad_accumulate_op.register_fake
 def _(a, b, offsets, main_grad, num_ctas) -> None:
+    return None
+
+
+@mok_op("mok::gemm_weight_grad_rows", mutates_args=("out", "carry_out"))
+def gemm_weight_grad_rows_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
+                             row0: int, row1: int, carry_in: Optional[torch.Tensor],
+                             carry_out: Optional[torch.Tensor], accumulate: bool, tma_store: bool,
+                             num_ctas: int) -> None:
+    """The weight gradients over the layout rows [row0, row1) into ``out`` (and ``carry_out``);
+    see :func:`weight_grad_rows`."""
+    launch_weight_grad(a, b, offsets, out, accumulate=accumulate, tma_store=tma_store, num_ctas=num_ctas,
+                       row0=row0, row1=row1, carry_in=carry_in, carry_out=carry_out)
+
+
+@gemm_weight_grad_rows_op.register_fake
+def _(a, b, offsets, out, row0, row1, carry_in, carry_out, accumulate, tma_store, num_ctas) -> None:
     return None
 
 
@@ -636,3 +710,38 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, out_
     check_weight_grad(a, b, offsets)
     tma = WGRAD_TMA_STORE if tma_store is None else bool(tma_store)
     return gemm_weight_grad_op(a, b, offsets, out_dtype, tma, num_ctas)
+
+
+def weight_grad_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, *, row0: int,
+                     row1: int, carry_in: Optional[torch.Tensor], carry_out: Optional[torch.Tensor],
+                     accumulate: bool = False, tma_store: Optional[bool] = None, num_ctas: int = 0) -> None:
+    """The weight gradients of :func:`weight_grad` over one range [row0, row1) of the layout's
+    rows, for a caller that walks the layout in chunks and holds one chunk's rows at a time.
+
+    Expert e with segment [g0, g1) = [offsets[e], offsets[e+1]) takes part when g0 < row1 and
+    g1 > row0 (an empty one when row0 <= g0 <= row1); its K loop runs over its rows inside the
+    range, in the 64-row blocks and the order of the whole-layout call. Its accumulator starts
+    from ``carry_in`` when g0 < row0, and goes to ``carry_out`` instead of ``out`` when g1 > row1
+    and ``carry_out`` is given; otherwise ``out[e]`` is written (bf16 or fp32) or accumulated
+    into, as :func:`weight_grad` does. Experts without a part are not touched. Calling range by
+    range over consecutive ranges, each call's ``carry_out`` the next call's ``carry_in`` (two
+    buffers, alternated), gives ``out`` bitwise equal to one call over the whole layout.
+
+    Args:
+        a: bf16 [R, M], b: bf16 [R, N]: layout rows row0 .. row0 + R - 1 (row r of the layout is
+            row r - row0 of a and b). offsets: int32 [L + 1] on the device, the whole layout's
+            (multiples of 64).
+        out: [L, M, N], bf16 or fp32 (fp32 with ``accumulate``: out += ..., main_grad).
+        row0: a multiple of 64. row1: a multiple of 64 in (row0, row0 + R], or exactly row0 + R
+            (every row a and b hold; any R, the form of the last range).
+        carry_in: fp32 [M, N], the partial sum the previous range carried out; needed when
+            row0 > 0 (read only when an expert's segment spans row0).
+        carry_out: fp32 [M, N] receiving the partial sum of the expert whose segment goes on
+            past row1; None for the last range (row1 at or past offsets[L]). Must not overlap
+            ``carry_in``.
+        accumulate: add into the fp32 ``out``. tma_store: staged TMA stores for a bf16 ``out``
+            (default :data:`WGRAD_TMA_STORE`). num_ctas: 0 = one per SM.
+    """
+    check_weight_grad_rows(a, b, offsets, out, row0, row1, carry_in, carry_out, accumulate, tma_store)
+    tma = out.dtype == torch.bfloat16 and (WGRAD_TMA_STORE if tma_store is None else bool(tma_store))
+    gemm_weight_grad_rows_op(a, b, offsets, out, row0, row1, carry_in, carry_out, bool(accumulate), tma, num_ctas)

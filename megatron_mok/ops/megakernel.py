@@ -78,7 +78,7 @@ class MegakernelArgs(ctypes.Structure):
         ("P", _i64), ("rank", _i64), ("L", _i64), ("H", _i64), ("I", _i64), ("K", _i64), ("T", _i64),
         ("ring_rows", _i64),
         ("trace", _v), ("trace_capacity", _i64),
-        ("save_x", _v), ("save_w", _v), ("save_gu", _v),
+        ("save_x", _v), ("save_w", _v), ("save_gu", _v), ("save_rows", _i64),
         ("fc1_weight2", _v), ("fc2_weight2", _v), ("L1", _i64),
         ("tunables", MegakernelTunablesStruct),
     ]
@@ -344,8 +344,14 @@ def check_forward_args(bases, signal_bases, table, offsets, counts, topk_ids, fc
 
 
 def check_save_args(save_x, save_w, save_gu, table, fc1_weight) -> None:
-    """The training copies of :func:`megakernel_forward`: all three or none, shaped by the
-    table's row capacity R_cap and the weights."""
+    """Validate the training copies of :func:`megakernel_forward`: all three or none; bf16
+    ``save_x`` [N, H], fp32 ``save_w`` [N] and bf16 ``save_gu`` [N, 2I] for one row count N
+    (the kept prefix of the layout, ``save_x.shape[0]``), N a multiple of
+    ``constants().block_rows`` or N = R_cap (``table.shape[0]``: every row of the layout).
+
+    Raises:
+        MegakernelArgumentError: naming the tensor and the rule.
+    """
     given = [t is not None for t in (save_x, save_w, save_gu)]
     if not any(given):
         return
@@ -353,11 +359,15 @@ def check_save_args(save_x, save_w, save_gu, table, fc1_weight) -> None:
         _fail("save_x, save_w and save_gu go together (the training copies): got "
               + ", ".join(n for n, g in zip(("save_x", "save_w", "save_gu"), given) if g) + " only")
     L, two_i, H = fc1_weight.shape
-    R = table.shape[0]
     dev = fc1_weight.device
-    _tensor("save_x", save_x, torch.bfloat16, shape=(R, H), device=dev)
-    _tensor("save_w", save_w, torch.float32, shape=(R,), device=dev)
-    _tensor("save_gu", save_gu, torch.bfloat16, shape=(R, two_i), device=dev)
+    N = save_x.shape[0] if isinstance(save_x, torch.Tensor) and save_x.dim() == 2 else -1
+    _tensor("save_x", save_x, torch.bfloat16, shape=(N, H), device=dev)
+    _tensor("save_w", save_w, torch.float32, shape=(N,), device=dev)
+    _tensor("save_gu", save_gu, torch.bfloat16, shape=(N, two_i), device=dev)
+    block_rows = constants().block_rows
+    if N % block_rows and N != table.shape[0]:
+        _fail(f"the training copies' {N} rows must be a multiple of {block_rows} (a row block is kept "
+              f"whole or not at all) or the table's R_cap = {table.shape[0]} rows (every row)")
 
 
 # ---- the op ----------------------------------------------------------------------------------
@@ -395,10 +405,12 @@ def megakernel_forward(bases: torch.Tensor, signal_bases: torch.Tensor, rows_off
             too; at least 2. num_ctas: CTAs of the launch (0: one per SM), else above comm_ctas.
         trace: None, or an int64 [N, 6] timeline (:data:`TRACE_FIELDS` per record; records past N
             are not written); see :func:`trace_records` for the size that holds every record.
-        save_x, save_w, save_gu: None, or (for training) bf16 [R_cap, H], fp32 [R_cap] and bf16
-            [R_cap, 2I] (R_cap = table rows), overwritten with the pulled rows, their router
-            weights and the fc1 pre-activation at their expert-grouped layout rows (padding rows
-            zero): what the cuda backend's backward reads.
+        save_x, save_w, save_gu: None, or (for training) bf16 [N, H], fp32 [N] and bf16 [N, 2I]:
+            the pulled rows, their router weights and the fc1 pre-activation (what the cuda
+            backend's backward reads) of layout rows 0 .. N - 1 (expert-grouped, padding rows
+            zero), overwritten; rows of the layout at or past N are not written anywhere in them
+            (the ring still gets every row). N is a multiple of ``constants().block_rows``, or
+            R_cap = table rows (every row; the layout ends at most there). N = 0 saves nothing.
         fc1_weight2, fc2_weight2: None, or bf16 [L2, 2I, H] and [L2, H, I]: local experts
             L1 .. L1 + L2 - 1 (a shared expert kept in its own parameters, no copy). The schedule
             then covers L = L1 + L2 experts.
@@ -438,6 +450,14 @@ def launch_forward(bases, signal_bases, rows_offset, scalars_offset, slots_offse
     builds the schedule and the training copies itself); the C side still checks every size before
     it queues anything. Same arguments and result."""
     T, K = topk_ids.shape
+    # The C side keeps whole row blocks: N = R_cap, not a multiple of 128, keeps the same rows
+    # rounded down (the layout's end, a multiple of 128, is at most R_cap).
+    save_rows = 0
+    if save_x is not None:
+        block_rows = constants().block_rows
+        save_rows = save_x.shape[0] // block_rows * block_rows
+    if save_rows == 0:  # nothing to keep: no copies (an empty tensor may have a null address)
+        save_x = save_w = save_gu = None
     L1, two_i, H = fc1_weight.shape
     L = L1 + (fc1_weight2.shape[0] if fc1_weight2 is not None else 0)
     y = torch.empty((T, H), dtype=torch.bfloat16, device=fc1_weight.device)
@@ -452,7 +472,7 @@ def launch_forward(bases, signal_bases, rows_offset, scalars_offset, slots_offse
         ring_rows=ring_x.shape[0],
         trace=trace.data_ptr() if trace is not None else 0, trace_capacity=trace.shape[0] if trace is not None else 0,
         save_x=save_x.data_ptr() if save_x is not None else 0, save_w=save_w.data_ptr() if save_w is not None else 0,
-        save_gu=save_gu.data_ptr() if save_gu is not None else 0,
+        save_gu=save_gu.data_ptr() if save_gu is not None else 0, save_rows=save_rows,
         fc1_weight2=fc1_weight2.data_ptr() if fc1_weight2 is not None else 0,
         fc2_weight2=fc2_weight2.data_ptr() if fc2_weight2 is not None else 0, L1=L1,
         tunables=MegakernelTunablesStruct(comm_ctas=comm_ctas, num_ctas=num_ctas, minibatch_rows=minibatch_rows,

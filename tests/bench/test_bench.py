@@ -287,6 +287,9 @@ def test_layer_run_on_gloo_writes_checked_results(tmp_path):
         assert run["floors"]["forward"]["nvlink_bytes"] == max(
             (a + b) * 64 * 2 for a, b in zip(routes["received_remote"], routes["sent_remote"]))
         assert run["model_flops_forward"] == 6 * 48 * 2 * 64 * 32
+        need = run["routed_rows_need"]
+        assert need["rows_per_rank"] == routes["received"] and need["bytes_per_row"] == 2 * 64 + 4 + 4 * 32
+        assert need["mib"] == pytest.approx(max(routes["received"]) * need["bytes_per_row"] / 2 ** 20)
 
         results = {r["backend"]: r for r in run["results"]}
         assert list(results) == ["mok-cuda", "a2a-grouped-mm", "megatron-alltoall", "reference"]
@@ -305,11 +308,13 @@ def test_layer_run_on_gloo_writes_checked_results(tmp_path):
         assert base["backward_tflops"] == pytest.approx(2 * run["model_flops_forward"] / (base["backward_ms"] * 1e-3) / 1e12)
         assert base["forward_vs_floor"] == pytest.approx(base["forward_ms"] / run["floors"]["forward"]["floor_ms"])
         assert set(base["forward_phases_ms"]) == {"dispatch", "experts", "combine"}
+        assert "activation_mib" not in base  # measured on GPUs only
         assert results["reference"]["status"] == "ok" and results["reference"]["check"]["oracle"]
 
     _assert_png(out / "small.png")
     md = (out / "small.md").read_text()
     assert "| backend | fwd ms |" in md and "| a2a-grouped-mm |" in md and "forward floor" in md
+    assert "| act MiB |" in md and "routed-rows need" in md
 
 
 def test_layer_chart_with_skipped_backend_and_floor(tmp_path):
@@ -327,6 +332,127 @@ def test_layer_chart_with_skipped_backend_and_floor(tmp_path):
     path = tmp_path / "chart.png"
     report.layer_chart(doc, str(path))
     _assert_png(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Activation memory (measured on GPUs; its arithmetic and reporting checked here).
+
+
+class _ScriptedProbe:
+    """Allocator figures for the CPU: ``before`` bytes allocated, a peak ``rise`` above it."""
+
+    def __init__(self, before: int, rise: int):
+        self.before, self.rise, self.calls = before, rise, []
+
+    def reset_peak(self):
+        self.calls.append("reset")
+
+    def allocated(self):
+        self.calls.append("allocated")
+        return self.before
+
+    def peak(self):
+        self.calls.append("peak")
+        return self.before + self.rise
+
+    def synchronize(self):
+        pass
+
+
+def test_activation_memory_is_the_peak_minus_the_returned_gradients():
+    T, H, I, L, K = 24, 32, 16, 4, 2
+    fc1, fc2 = layer.random_weights(L, H, I, seed=3, device=torch.device("cpu"))
+    experts = layer.Experts(fc1_weight=fc1, fc2_weight=fc2, num_experts=L, group=None)
+    case = layer.BenchCase(shape=resolve_shape("custom", hidden=H, ffn_hidden=I, num_experts=L, topk=K),
+                           ep_size=1, experts_per_gpu=L, tokens_per_gpu=T)
+    batch = layer.make_batch(case, RoutingSpec("uniform"), seed=5, device=torch.device("cpu"))
+    runner = layer.make_runner("reference", experts, K, T)
+    probe = _ScriptedProbe(before=10 ** 6, rise=10 ** 5)
+    got = layer.measure_memory(runner, batch, probe)
+    # dx bf16 [T, H], d router weights fp32 [T, K], d fc1 bf16 [L, 2I, H], d fc2 bf16 [L, H, I].
+    grads = T * H * 2 + T * K * 4 + L * 2 * I * H * 2 + L * H * I * 2
+    assert got == {"peak_bytes": 10 ** 5, "grad_bytes": grads, "activation_bytes": 10 ** 5 - grads}
+    assert probe.calls == ["reset", "allocated", "peak"]  # the peak restarts before the forward
+    assert all(t.grad is None for t in (batch.x, batch.topk_weights, fc1, fc2))  # left zeroed
+    # A gradient storage that existed before the forward is not the backward's; views count once.
+    buffer, other = torch.zeros(100), torch.zeros(3, dtype=torch.bfloat16)
+    assert layer._storages([buffer[:10], buffer[10:], other]) == {
+        buffer.untyped_storage().data_ptr(): 400, other.untyped_storage().data_ptr(): 6}
+
+
+    class KeepsDx(type(runner)):
+        """Zeroes dx in place instead of dropping it, as a gradient buffer that outlives the step."""
+
+        def zero_grad(self, batch):
+            dx = batch.x.grad
+            super().zero_grad(batch)
+            batch.x.grad = torch.zeros_like(batch.x) if dx is None else dx.zero_()
+
+    keeps = KeepsDx("reference", experts, T)
+    keeps.zero_grad(batch)
+    kept = layer.measure_memory(keeps, batch, _ScriptedProbe(before=0, rise=10 ** 5))
+    assert kept["grad_bytes"] == grads - T * H * 2
+
+
+def test_routed_rows_need_and_memory_fields():
+    need = layer.routed_rows_need([32768, 30000], hidden=7168, ffn_hidden=2048)
+    per_row = 2 * 7168 + 4 + 4 * 2048
+    assert need["bytes_per_row"] == per_row
+    assert need["rows_per_rank"] == [32768, 30000] and need["bytes_per_rank"] == [32768 * per_row, 30000 * per_row]
+    assert need["mib"] == pytest.approx(32768 * per_row / 2 ** 20)
+    env = layer.Dist(group=None, rank=0, world=1, device=torch.device("cpu"))
+    mine = {"peak_bytes": 900 * 2 ** 20, "grad_bytes": 100 * 2 ** 20, "activation_bytes": 800 * 2 ** 20}
+    fields = layer.memory_result(mine, [400 * 2 ** 20], env)
+    assert fields == {"peak_mib": 900.0, "grads_mib": 100.0, "activation_mib": 800.0,
+                      "activation_per_rank_mib": [800.0], "activation_vs_need": 2.0}
+    assert layer.memory_result(mine, [0], env)["activation_vs_need"] is None
+
+
+def _memory_run():
+    return {
+        "label": "Kimi-K2, 48 exp/GPU",
+        "case": {"tokens_per_gpu": 4096, "ep_size": 1, "num_experts": 48,
+                 "shape": {"topk": 8, "hidden": 7168, "ffn_hidden": 2048}},
+        "routing_label": "uniform",
+        "floors": {name: {"floor_ms": f, "bound": "compute", "compute_ms": f, "hbm_ms": 1.0, "nvlink_ms": 0.0}
+                   for name, f in (("forward", 3.6), ("backward", 7.3))},
+        "routed_rows_need": {"bytes_per_row": 22532, "rows_per_rank": [32768], "bytes_per_rank": [32768 * 22532],
+                             "mib": 32768 * 22532 / 2 ** 20},
+        "results": [
+            {"backend": "mok-megakernel", "status": "ok", "forward_ms": 5.7, "backward_ms": 10.5,
+             "forward_tflops": 500.0, "backward_tflops": 540.0, "forward_vs_floor": 1.6, "backward_vs_floor": 1.4,
+             "comm_GBps": {"forward": None}, "peak_mib": 2100.0, "grads_mib": 700.0, "activation_mib": 1400.0,
+             "activation_per_rank_mib": [1400.0], "activation_vs_need": 1400.0 / (32768 * 22532 / 2 ** 20),
+             "check": {"passed": True, "rel_errors": {"y": 4e-3}}},
+            {"backend": "a2a-grouped-mm", "status": "ok", "forward_ms": 10.0, "backward_ms": 14.0,
+             "forward_tflops": 280.0, "backward_tflops": 400.0, "forward_vs_floor": 2.8, "backward_vs_floor": 1.9,
+             "comm_GBps": {"forward": None}, "check": {"passed": True, "rel_errors": {"y": 5e-3}}},
+        ]}
+
+
+def test_layer_table_markdown_and_chart_show_the_activation_memory(tmp_path):
+    run = _memory_run()
+    table = report.layer_table(run)
+    header, megakernel, a2a = table.splitlines()[1:4]
+    assert "peak MiB" in header and "act MiB" in header and "act/need" in header
+    assert re.search(r"mok-megakernel .* 2100 +1400 +1\.99 +4\.0e-03$", megakernel), megakernel
+    assert re.search(r"a2a-grouped-mm .* - +- +- +5\.0e-03$", a2a), a2a  # not measured: no GPU memory figures
+    assert table.splitlines()[-1] == ("routed-rows need 704 MiB (32768 routed rows on the largest rank x 22532 "
+                                      "bytes: x, router weight, gate|up)")
+    doc = {"date_utc": "now", "machine": {"description": "one H200", "gpu": "NVIDIA H200"}, "command": "x",
+           "settings": {"routing_label": "uniform"}, "runs": [run]}
+    md = report.layer_markdown(doc)
+    assert "| peak MiB | act MiB | act/need |" in md and "routed-rows need 704 MiB" in md
+    path = tmp_path / "memory.png"
+    report.layer_chart(doc, str(path))
+    _assert_png(path)
+    import matplotlib.image as mpimg
+
+    wide, narrow = mpimg.imread(str(path)), None
+    del run["results"][0]["activation_mib"]
+    report.layer_chart(doc, str(tmp_path / "timing.png"))
+    narrow = mpimg.imread(str(tmp_path / "timing.png"))
+    assert wide.shape[1] > narrow.shape[1]  # the memory panel is there only when memory was measured
 
 
 # ----------------------------------------------------------------------------------------------

@@ -83,21 +83,21 @@ def test_cuda_backend_gemm_families_match_oracle(spec, gemms, monkeypatch):
     """Both GEMM families (MoK's Hopper GEMMs with SwiGLU in their epilogues, and
     torch._grouped_mm with the separate SwiGLU kernels that shapes MoK's GEMMs refuse run) give
     the oracle's outputs and gradients, bitwise stable."""
-    from megatron_mok.functional import cuda_backend
+    from megatron_mok.functional import expert_ffn
     from megatron_mok.functional.validate import MoEShape
 
     seed, tokens, H, I, L, K, routing = spec
     shape = MoEShape(tokens=tokens[0], hidden=H, topk=K, experts_per_rank=L, ffn_hidden=I)
-    assert cuda_backend.hopper_gemms_apply(shape, 128)
+    assert expert_ffn.hopper_gemms_apply(shape, 128)
     if gemms == "torch":  # as for a shape the Hopper GEMMs refuse
-        monkeypatch.setattr(cuda_backend, "hopper_gemms_apply", lambda shape, tile_rows: False)
-    cuda_backend.expert_call.cache_clear()  # the GEMM family is chosen once per (config, shape)
+        monkeypatch.setattr(expert_ffn, "hopper_gemms_apply", lambda shape, tile_rows: False)
+    expert_ffn.expert_call.cache_clear()  # the GEMM family is chosen once per (config, shape)
     try:
         case = gpu_case(seed, tokens, H, I, L, K, routing)
         first = _run_ranks(case, [None], MoKConfig())
         second = _run_ranks(case, [None], MoKConfig())
     finally:
-        cuda_backend.expert_call.cache_clear()
+        expert_ffn.expert_call.cache_clear()
     _check_against_oracle(case, second, f"{gemms} {spec}")
     for a, b in zip(first[0], second[0]):
         assert torch.equal(a, b), f"{gemms}: results differ between two runs ({spec})"

@@ -235,14 +235,14 @@ def test_import_without_gpu():
 def test_cuda_backend_gemm_family_follows_the_shape():
     """MoK's Hopper GEMMs (with SwiGLU fused) wherever the shape allows, torch._grouped_mm with the
     separate SwiGLU kernels elsewhere: H and I multiples of 256, layouts padded to 64 or 128."""
-    from megatron_mok.functional import cuda_backend
+    from megatron_mok.functional import expert_ffn
     from megatron_mok.functional.validate import MoEShape
 
     kimi = MoEShape(tokens=4096, hidden=7168, topk=8, experts_per_rank=6, ffn_hidden=2048)
-    assert cuda_backend.hopper_gemms_apply(kimi, 128) and cuda_backend.hopper_gemms_apply(kimi, 64)
-    assert not cuda_backend.hopper_gemms_apply(kimi, 32)
-    assert not cuda_backend.hopper_gemms_apply(MoEShape(4096, 4096, 8, 16, 1152), 128)  # I % 256
-    assert not cuda_backend.hopper_gemms_apply(MoEShape(4096, 1152, 8, 16, 2048), 128)  # H % 256
+    assert expert_ffn.hopper_gemms_apply(kimi, 128) and expert_ffn.hopper_gemms_apply(kimi, 64)
+    assert not expert_ffn.hopper_gemms_apply(kimi, 32)
+    assert not expert_ffn.hopper_gemms_apply(MoEShape(4096, 4096, 8, 16, 1152), 128)  # I % 256
+    assert not expert_ffn.hopper_gemms_apply(MoEShape(4096, 1152, 8, 16, 2048), 128)  # H % 256
 
 
 def test_expert_ffn_torch_path_orients_the_weights():
@@ -254,7 +254,7 @@ def test_expert_ffn_torch_path_orients_the_weights():
 
     import torch.nn.functional as F
 
-    from megatron_mok.functional import cuda_backend
+    from megatron_mok.functional import expert_ffn
 
     def swiglu_forward(ab, w, offsets):
         a, b = ab.float().chunk(2, dim=1)
@@ -279,9 +279,9 @@ def test_expert_ffn_torch_path_orients_the_weights():
     call = SimpleNamespace(hopper_gemms=False, segment_rows=16)
     ops = SimpleNamespace(swiglu_forward=swiglu_forward, swiglu_backward=swiglu_backward)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cuda_backend, "swiglu_ops", ops)
-        out, hw, ab = cuda_backend.expert_forward(call, x, w, fc1, fc2, offsets, None)
-        dx, dw, d_fc1, d_fc2, _, _ = cuda_backend.expert_backward(call, d_out, x, w, ab, fc1, fc2, offsets, None)
+        mp.setattr(expert_ffn, "swiglu_ops", ops)
+        out, hw, ab = expert_ffn.expert_forward(call, x, w, fc1, fc2, offsets, None)
+        dx, dw, d_fc1, d_fc2, _, _ = expert_ffn.expert_backward(call, d_out, x, w, ab, fc1, fc2, offsets, None)
     xs, ws = x.float().requires_grad_(), w.clone().requires_grad_()
     f1, f2 = fc1.float().requires_grad_(), fc2.float().requires_grad_()
     rows = []
@@ -305,7 +305,7 @@ def test_gpu_backends_read_weight_segments_in_place_only_where_the_gemms_can(hop
     GEMMs, else one concatenated tensor, whose gradient autograd splits back."""
     from types import SimpleNamespace
 
-    from megatron_mok.functional.cuda_backend import weight_arguments
+    from megatron_mok.functional.expert_ffn import weight_arguments
 
     call = SimpleNamespace(hopper_gemms=hopper)
     f1 = (torch.randn(3, 8, 4, requires_grad=True), torch.randn(1, 8, 4, requires_grad=True))

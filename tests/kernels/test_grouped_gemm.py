@@ -64,10 +64,13 @@ def test_c_abi_rejects_bad_arguments_before_any_launch(built_library):
     assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 512, 64, 256, 0, 1, 0, None) == MOK_ERR_UNSUPPORTED
     # too many experts
     assert fc1(p, p, p, p, None, p, None, 256, 5000, 1024, 512, 128, 256, 0, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
-    wgrad = lib.function("mok_gemm_weight_grad", i, [v, v, v, v, i, i, i, i64, i, i, i, i, v])
-    assert wgrad(p, p, p, p, 0, 0, 0, 256, 4, 100, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT  # M % 128
-    assert wgrad(p, p, p, p, 1, 1, 0, 256, 4, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT  # bf16 + accumulate
-    assert wgrad(p, p, p, p, 0, 0, 1, 256, 4, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT  # staged fp32
+    wgrad = lib.function("mok_gemm_weight_grad", i, [v, v, v, v, i, i, i, i64, i, i, i, i64, i64, v, v, i, v])
+    assert wgrad(p, p, p, p, 0, 0, 0, 256, 4, 100, 256, 0, 256, None, None, 0, None) == \
+        MOK_ERR_INVALID_ARGUMENT  # M % 128
+    assert wgrad(p, p, p, p, 1, 1, 0, 256, 4, 128, 256, 0, 256, None, None, 0, None) == \
+        MOK_ERR_INVALID_ARGUMENT  # bf16 + accumulate
+    assert wgrad(p, p, p, p, 0, 0, 1, 256, 4, 128, 256, 0, 256, None, None, 0, None) == \
+        MOK_ERR_INVALID_ARGUMENT  # staged fp32
     dgrad = lib.function("mok_gemm_fc2_dgrad_swiglu", i, [v] * 10 + [i64, i, i, i, i, i, i, v])
     # a router weight without the buffers for its gradient
     assert dgrad(p, p, p, p, p, p, p, None, None, None, 256, 4, 1024, 512, 128, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
@@ -98,7 +101,8 @@ def test_python_signatures_match_the_c_abi(built_library, monkeypatch):
                                    None) == MOK_ERR_INVALID_ARGUMENT
     for key in ("fc2_dgrad", "fc1_dgrad"):
         assert fns[key](p, p, p, p, 256, 0, 1024, 512, 128, 256, 1, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
-    assert fns["wgrad"](p, p, p, p, 0, 0, 0, 256, 0, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    assert fns["wgrad"](p, p, p, p, 0, 0, 0, 256, 0, 128, 256, 0, 256, None, None, 0, None) == \
+        MOK_ERR_INVALID_ARGUMENT
     assert fns["scratch"](100, 512) == 200
 
 

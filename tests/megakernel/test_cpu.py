@@ -101,6 +101,8 @@ def _valid_args(**over):
     dict(L1=3), dict(fc1_weight2=0x10000, L1=3), dict(fc1_weight2=0x10000, fc2_weight2=0x10000),
     dict(fc1_weight2=0x10000, fc2_weight2=0x10000, L1=0), dict(fc1_weight2=0x10008, fc2_weight2=0x10000, L1=3),
     dict(pairs=2), dict(pairs=-1),
+    dict(save_rows=128), dict(save_x=0x10000, save_w=0x10000, save_gu=0x10000, save_rows=100),
+    dict(save_x=0x10000, save_w=0x10000, save_gu=0x10000, save_rows=-128),
     dict(group_blocks=0), dict(group_blocks=1), dict(group_blocks=3), dict(group_blocks=66), dict(group_blocks=-2),
 ], ids=lambda over: ",".join(f"{k}={v}" for k, v in over.items()))
 def test_c_abi_rejects_bad_arguments_before_any_cuda_call(use_lib, over):
@@ -117,6 +119,15 @@ def test_c_abi_takes_valid_tunables_past_its_checks(use_lib, group_blocks):
     for pairs in (0, 1):
         args = _valid_args(group_blocks=group_blocks, pairs=pairs)
         assert fns["forward"](ctypes.byref(args), None) not in (0, MOK_ERR_INVALID_ARGUMENT)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="launches with fake pointers where a GPU would run them")
+@pytest.mark.parametrize("save_rows", [0, 128, 1 << 20])
+def test_c_abi_takes_a_kept_prefix_of_any_whole_blocks(use_lib, save_rows):
+    # Training copies with any multiple of 128 rows (0: nothing kept) pass the argument checks.
+    _, fns = mk._lib()
+    args = _valid_args(save_x=0x10000, save_w=0x10000, save_gu=0x10000, save_rows=save_rows)
+    assert fns["forward"](ctypes.byref(args), None) not in (0, MOK_ERR_INVALID_ARGUMENT)
 
 
 # ---- the op's Python checks and fake ----------------------------------------------------------
@@ -186,14 +197,26 @@ def test_op_checks_take_every_valid_group_size(use_lib):
                               timeout_ns=10 ** 9, group_blocks=group_blocks)
 
 
+def _saves(x_rows, w_rows=None, gu_rows=None, H=1024, two_i=1024):
+    """Training copies of x_rows rows (save_w and save_gu: w_rows and gu_rows when given)."""
+    w_rows = x_rows if w_rows is None else w_rows
+    gu_rows = x_rows if gu_rows is None else gu_rows
+    return dict(save_x=torch.zeros(x_rows, H, dtype=torch.bfloat16), save_w=torch.zeros(w_rows),
+                save_gu=torch.zeros(gu_rows, two_i, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("over,message", [
     (dict(save_x=torch.zeros(100, 1024, dtype=torch.bfloat16)), r"save_x, save_w and save_gu go together.*save_x only"),
-    (dict(save_x=torch.zeros(100, 1024, dtype=torch.bfloat16), save_w=torch.zeros(100),
-          save_gu=torch.zeros(100, 512, dtype=torch.bfloat16)), r"save_gu must have shape \(100, 1024\)"),
-    (dict(save_x=torch.zeros(99, 1024, dtype=torch.bfloat16), save_w=torch.zeros(100),
-          save_gu=torch.zeros(100, 1024, dtype=torch.bfloat16)), r"save_x must have shape \(100, 1024\)"),
-    (dict(save_x=torch.zeros(100, 1024, dtype=torch.bfloat16), save_w=torch.zeros(100, dtype=torch.float64),
-          save_gu=torch.zeros(100, 1024, dtype=torch.bfloat16)), r"save_w must be torch.float32"),
+    (_saves(100, two_i=512), r"save_gu must have shape \(100, 1024\)"),
+    (_saves(256, H=512), r"save_x must have shape \(256, 1024\)"),
+    # The kept prefix's row count is save_x's; the other two must agree with it.
+    (_saves(99, w_rows=100, gu_rows=100), r"save_w must have shape \(99,\), got \(100,\)"),
+    (_saves(256, gu_rows=128), r"save_gu must have shape \(256, 1024\), got \(128, 1024\)"),
+    (_saves(128, w_rows=256), r"save_w must have shape \(128,\), got \(256,\)"),
+    (dict(_saves(100), save_w=torch.zeros(100, dtype=torch.float64)), r"save_w must be torch.float32"),
+    # Whole row blocks, or the table's R_cap = 100 rows (every row).
+    (_saves(200), r"the training copies' 200 rows must be a multiple of 128 .* or the table's R_cap = 100 rows"),
+    (_saves(64), r"the training copies' 64 rows must be a multiple of 128"),
 ])
 def test_training_copies_are_checked(use_lib, over, message):
     a = _op_args()
@@ -202,6 +225,42 @@ def test_training_copies_are_checked(use_lib, over, message):
         mk.check_save_args(a["save_x"], a["save_w"], a["save_gu"], a["table"], a["fc1_weight"])
     with pytest.raises(mk.MegakernelArgumentError, match=message):
         torch.ops.mok.megakernel_forward(**a)
+
+
+@pytest.mark.parametrize("rows", [0, 128, 256, 384, 100])
+def test_training_copies_of_a_prefix_pass_the_checks(use_lib, rows):
+    # Any multiple of 128 rows, 0 (nothing kept) or R_cap = 100 (the table's rows: every row).
+    a = _op_args()
+    a.update(_saves(rows))
+    mk.check_save_args(a["save_x"], a["save_w"], a["save_gu"], a["table"], a["fc1_weight"])
+
+
+@pytest.mark.parametrize("rows,want", [(None, 0), (0, 0), (256, 256), (100, 0), (300, 256)])
+def test_launch_passes_the_kept_rows_to_the_library(use_lib, monkeypatch, rows, want):
+    """launch_forward passes save_x's row count, rounded down to whole blocks (R_cap keeps every
+    row of the layout, which ends at a multiple of 128 at most R_cap), and null copies with it
+    when no whole block is kept."""
+    lib, fns = mk._lib()
+    seen = []
+    fns = dict(fns, forward=lambda args, stream: seen.append(args._obj) or 0)
+    monkeypatch.setattr(mk, "_lib", lambda: (lib, fns))
+    monkeypatch.setattr(mk, "stream_of", lambda t: None)
+    a = _op_args()
+    if rows is not None:
+        a.update(_saves(rows))
+    mk.launch_forward(**a)
+    (args,) = seen
+    assert args.save_rows == want
+    assert bool(args.save_x) == bool(args.save_w) == bool(args.save_gu) == (want > 0)
+    if want:
+        names = ("save_x", "save_w", "save_gu")
+        assert tuple(getattr(args, k) for k in names) == tuple(a[k].data_ptr() for k in names)
+
+
+def test_launch_takes_the_ops_arguments():
+    # Callers (and the GPU tests) pass one set of named arguments to either.
+    assert list(inspect.signature(mk.launch_forward).parameters) == list(
+        inspect.signature(mk.megakernel_forward.impl).parameters)
 
 
 _SEG = dict(fc1_weight2=torch.zeros(1, 1024, 1024, dtype=torch.bfloat16),
@@ -454,8 +513,9 @@ def test_backend_host_path_prepares_once_and_passes_the_launch_settings(use_lib,
     assert a["comm_ctas"] == want_comm and a["num_ctas"] == 0 and a["timeout_ns"] == 7 * 10 ** 9
     assert a["table"].shape == (ws.capacity, 2) and a["offsets"].shape == (5,) and a["trace"] is None
     assert (a["save_x"] is not None) == grad and (grad or a["save_gu"] is None)
-    if grad:
-        assert a["save_x"].shape == (ws.capacity, 1024) and a["save_gu"].shape == (ws.capacity, 1024)
+    if grad:  # a kept prefix of the layout (whole blocks, at most every row), as the op takes it
+        mk.check_save_args(a["save_x"], a["save_w"], a["save_gu"], a["table"], a["fc1"])
+        assert 0 < a["save_x"].shape[0] <= ws.capacity and a["save_gu"].shape[1] == 1024
     want = mk.default_tunables()
     want.update({k: v for k, v in dataclasses.asdict(tunables).items() if v is not None})
     assert kw == want

@@ -3,13 +3,14 @@ elsewhere): against the fp32 oracle at P = 1, virtual ranks and P = 2; bitwise e
 grouped GEMM kernels composed by hand; a hot expert through a ring far smaller than its rows;
 bitwise identical across runs and across every tunable (comm SMs, minibatch, ring, pair mode,
 group size); weight segments; CUDA graph replay; the timeout; the launch shape; the comm CTA
-count a trace records.
+count a trace records; the training copies of a kept prefix of the layout only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import inspect
 import time
 
 import pytest
@@ -168,6 +169,95 @@ def test_forward_without_grad_launches_two_comm_ctas_fewer():
     with torch.no_grad():  # outside the block: not traced
         mok_moe(x, ids, w, case.fc1_all, case.fc2_all, config=MoKConfig(), backend="megakernel")
     assert len(launches) == 3
+
+
+def _bits(t):
+    """The bits of a bf16 or fp32 tensor as integers: bitwise comparisons that NaN cannot fool."""
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+_POISON = 0x7F  # every byte of a poisoned buffer: bf16 0x7f7f and fp32 0x7f7f7f7f, both finite
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    SMALL_RING,
+    MoKConfig(comm_sms_forward=4, minibatch_rows=256, ring_rows=512, megakernel=MegakernelTunables(pairs=False)),
+], ids=["small-ring", "single-ctas"])
+def test_forward_saves_only_the_kept_prefix_of_the_layout(monkeypatch, config):
+    """The training copies of the first N layout rows (MokMegakernelArgs::save_rows): the
+    backend's training launch is run again through the op with copies of every row (R_cap, not
+    a multiple of 128), then of N = 0, 2 blocks, expert 0's blocks and one more, and the whole
+    layout, each N rows a view into a poisoned buffer with spare rows after it. y is bitwise the
+    same every time; the kept rows are bitwise the full copies' first rows (the backend's own
+    copies too); every byte at or past N is still poison (no pulled row, padding zero or gate |
+    up written past the prefix)."""
+    from megatron_mok.functional import check_errors
+
+    from tests.gpu_cases import gpu_case
+
+    case = gpu_case(171, [3000], 1024, 512, 6, 4, "zipf")
+    calls = []
+    real_launch = mk.launch_forward
+    signature = inspect.signature(real_launch)
+
+    def recording_launch(*a, **kw):
+        calls.append(signature.bind(*a, **kw))
+        return real_launch(*a, **kw)
+
+    monkeypatch.setattr(mk, "launch_forward", recording_launch)
+    x, w, fc1, fc2 = _leaves(case, 0)
+    y = mok_moe(x, case.ids[0], w, fc1, fc2, config=config, backend="megakernel").detach()
+    torch.cuda.synchronize()
+    check_errors()
+    monkeypatch.undo()
+    assert len(calls) == 1, "one forward launch"
+    calls[0].apply_defaults()
+    args = dict(calls[0].arguments)
+    backend_saves = (args["save_x"], args["save_w"], args["save_gu"])
+    assert all(t is not None for t in backend_saves), "a forward with grad keeps training copies"
+
+    table, offsets = args["table"], args["offsets"]
+    R_cap, end = table.shape[0], int(offsets[-1])
+    H, two_i = args["fc1_weight"].shape[2], args["fc1_weight"].shape[1]
+    block = mk.constants().block_rows
+    assert end % block == 0 and end <= R_cap
+    blocks = end // block
+    first_expert_blocks = int(offsets[1]) // block
+    assert 3 <= first_expert_blocks < blocks, "zipf routing: expert 0 takes several blocks, not all"
+    keeps = sorted({0, 2 * block, (first_expert_blocks + 1) * block, blocks * block})
+    dev = y.device
+
+    def saves(rows):
+        return (torch.empty(rows, H, dtype=torch.bfloat16, device=dev), torch.empty(rows, device=dev),
+                torch.empty(rows, two_i, dtype=torch.bfloat16, device=dev))
+
+    def launch(copies):
+        # The backend's launch again (the published rows and the schedule are unchanged), through
+        # the op and its argument checks, with other training copies.
+        out = mk.megakernel_forward(**dict(args, save_x=copies[0], save_w=copies[1], save_gu=copies[2]))
+        torch.cuda.synchronize()
+        check_errors()
+        return out
+
+    names = ("save_x", "save_w", "save_gu")
+    full = saves(R_cap)
+    assert torch.equal(_bits(launch(full)), _bits(y)), "y differs with every row kept"
+    kept_by_backend = min(backend_saves[0].shape[0] // block * block, end)
+    for name, got, want in zip(names, backend_saves, full):
+        assert torch.equal(_bits(got[:kept_by_backend]), _bits(want[:kept_by_backend])), \
+            f"{name}: the backend's kept rows differ from the full copy's"
+
+    spare = 2 * block  # poisoned rows after the largest prefix: a write past N lands there
+    for n in keeps:
+        buffers = saves(R_cap + spare)
+        for t in buffers:
+            t.view(torch.uint8).fill_(_POISON)
+        y_n = launch(tuple(t[:n] for t in buffers))
+        assert torch.equal(_bits(y_n), _bits(y)), f"y differs with save_rows = {n}"
+        for name, buf, want in zip(names, buffers, full):
+            assert torch.equal(_bits(buf[:n]), _bits(want[:n])), f"{name}: the kept rows differ at save_rows = {n}"
+            assert buf[n:].view(torch.uint8).eq(_POISON).all(), f"{name}: written at or past save_rows = {n}"
 
 
 SWEEP_VIRTUAL = [

@@ -14,7 +14,9 @@ import sys
 import pytest
 import torch
 
+from megatron_mok.config import default_training_ring_rows
 from megatron_mok.megatron.arg_files import expand_arg_files, read_config_metadata
+from megatron_mok.megatron.startup import format_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -90,6 +92,8 @@ def test_launcher_on_cpu_builds_tiny_model_and_says_training_needs_a_gpu(dispatc
             assert (f"> megatron-mok: the MoE of {where} runs the reference backend [--mok-backend auto on cpu: "
                     "the pure-PyTorch reference backend") in proc.stdout
         assert "(bfloat16, cpu, hidden 128, expert FFN 128, 8 experts per rank, top-2)" in proc.stdout
+        rows = default_training_ring_rows(tokens=128, topk=2, experts_per_rank=8, tile_rows=128)
+        assert proc.stdout.count(f"> megatron-mok: MoK training ring: {rows} rows per MoE layer and micro-batch") == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour of the launcher")
@@ -100,6 +104,10 @@ def test_launcher_on_cpu_builds_the_deepseek_proxy_on_the_meta_device():
     # 3 decoder layers (1 dense, 2 MoE) + the MTP layer: 3 MoK layers; 2.6 billion parameters,
     # none of them allocated.
     assert "3 MoE layers (MoKMoELayer)" in proc.stdout
+    # 4096 tokens, top-8, 8 experts; rows of 2 x 7168 + 4 + 4 x 2048 bytes.
+    rows = default_training_ring_rows(tokens=4096, topk=8, experts_per_rank=8, tile_rows=128)
+    assert (f"MoK training ring: {rows} rows per MoE layer and micro-batch ({format_bytes(rows * 22532)}; "
+            f"3 MoE layers: {format_bytes(3 * rows * 22532)} held until their backward)") in proc.stdout
     millions = float(re.search(r"meta device: rank 0 \(pipeline stage 0; TP 1, ETP 1, EP 1, PP 1\): "
                                r"([0-9.]+)M parameters", proc.stdout).group(1))
     assert millions > 2000
@@ -146,3 +154,77 @@ def test_loss_curve_verdict_early_points_and_window_means():
     stalled = base[:10] + [1.0] * 10
     c = compare_curves(run(base), run(stalled))
     assert c.window_max_shift > 0.05 and not c.agree()
+
+
+FAKE_PRETRAIN = '''
+"""Prints Megatron's training log for a fake run, and the flags it was given."""
+import argparse, os, sys
+from megatron_mok.megatron.arg_files import expand_arg_files
+p = argparse.ArgumentParser()
+for flag in ("--moe-token-dispatcher-type", "--num-layers", "--moe-layer-freq", "--seq-length"):
+    p.add_argument(flag)
+p.add_argument("--train-iters", type=int)
+a, _ = p.parse_known_args(expand_arg_files(sys.argv[1:]))
+print("fake argv:", " ".join(sys.argv[1:]))
+print("------------------------ arguments ------------------------")
+print("  num_layers ...................................... " + a.num_layers)
+print("-------------------- end of arguments ---------------------")
+step = {"alltoall": 200.0, "mok": 100.0}[a.moe_token_dispatcher_type] * int(a.num_layers)
+for i in range(1, a.train_iters + 1):
+    print(f" [2026-11-29 12:00:00.000000] iteration {i:8d}/{a.train_iters:8d} | elapsed time per iteration "
+          f"(ms): {step:.1f} | global batch size:     1 | lm loss: {10.0 - 0.1 * i:.6E} |")
+peak = 1024.0 * int(a.num_layers) + (512.0 if a.moe_token_dispatcher_type == "alltoall" else 0.0)
+print(f"[Rank 0] (after {a.train_iters} iterations) memory (MB) | allocated: 100.0 | max allocated: {peak:.2f} "
+      f"| reserved: 3000.0 | max reserved: {peak + 1024:.2f}")
+'''
+
+
+def _compare_script(tmp_path, **env):
+    launcher = tmp_path / "fake_pretrain.py"
+    launcher.write_text(FAKE_PRETRAIN)
+    environ = dict(os.environ, PYTHON=sys.executable, NGPUS="1", ITERS="12", LAUNCHER=str(launcher),
+                   MOK_LIBRARY=str(tmp_path / "no-library.so"), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    environ.update(env)
+    return subprocess.run(["bash", "examples/gpu_pretrain_compare.sh", str(tmp_path / "out")], cwd=ROOT,
+                          env=environ, capture_output=True, text=True, timeout=600)
+
+
+def test_pretrain_comparison_runs_both_proxies_and_summarises_them(tmp_path):
+    """examples/gpu_pretrain_compare.sh's plumbing, with a fake launcher: each proxy's flags, its
+    logs, the weight estimate that picks the all-moe layer count, the summary and the verdicts."""
+    proc = _compare_script(tmp_path, PROXY="all")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    # 18 bytes a parameter: the config's 3 layers take 47.3 GB; 1 dense + 3 MoE layers 56.6 GB and
+    # a fourth MoE layer would pass 60 GB.
+    assert ("=== proxy deepseek-v3: 3 layers (--moe-layer-freq [0]*1+[1]*2) + 1 MTP; weights and optimizer "
+            "state ~47.3 GB per GPU (2627903488 parameters x 18 bytes)") in out
+    assert ("=== proxy all-moe: 4 layers (1 dense + 3 MoE, the most MoE layers within WEIGHTS_GB=60) + 1 MTP; "
+            "weights and optimizer state ~56.6 GB per GPU (3141763072 parameters x 18 bytes)") in out
+    for proxy, layers in (("deepseek-v3", None), ("all-moe", "--num-layers 4 --moe-layer-freq [0]*1+[1]*3")):
+        for dispatcher in ("alltoall", "mok"):
+            log = (tmp_path / "out" / proxy / f"{dispatcher}.log").read_text()
+            argv = log.split("fake argv: ", 1)[1].splitlines()[0]
+            assert f"--moe-token-dispatcher-type {dispatcher}" in argv and "--log-memory-interval 12" in argv
+            assert (layers in argv) if layers else ("--num-layers" not in argv.split("local_no_te.args", 1)[1])
+    summary = out.split("=== summary", 1)[1]
+    rows = [line.split() for line in summary.splitlines()[1:6]]
+    assert rows[0] == ["proxy", "dispatcher", "iterations", "median", "ms", "tokens/s", "peak", "GB",
+                       "(alloc/reserved)"]
+    # 4096 tokens an iteration; the fake's step is 200 (alltoall) or 100 (mok) ms per layer.
+    assert rows[1:] == [["deepseek-v3", "alltoall", "12", "600.0", "6,827", "3.5", "/", "4.5"],
+                        ["deepseek-v3", "mok", "12", "300.0", "13,653", "3.0", "/", "4.0"],
+                        ["all-moe", "alltoall", "12", "800.0", "5,120", "4.5", "/", "5.5"],
+                        ["all-moe", "mok", "12", "400.0", "10,240", "4.0", "/", "5.0"]]
+    assert out.count("-> AGREE") == 2 and "=== all-moe: loss curves, alltoall against mok" in out
+
+
+def test_pretrain_comparison_arguments(tmp_path):
+    bad = _compare_script(tmp_path, PROXY="deepseek-v4")
+    assert bad.returncode == 2 and "PROXY 'deepseek-v4' is not one of deepseek-v3, all-moe, all" in bad.stderr
+    given = _compare_script(tmp_path, PROXY="all-moe", MOE_LAYERS="6", DISPATCHERS="mok")
+    assert given.returncode == 0, given.stdout[-3000:] + given.stderr[-3000:]
+    assert "=== proxy all-moe: 7 layers (1 dense + 6 MoE) + 1 MTP" in given.stdout
+    assert "--num-layers 7 --moe-layer-freq [0]*1+[1]*6" in (tmp_path / "out" / "all-moe" / "mok.log").read_text()
+    assert "no alltoall.log and mok.log pair in" in given.stdout
+    assert not (tmp_path / "out" / "deepseek-v3").exists()

@@ -49,7 +49,7 @@ def test_flag_and_tunables_parse(monkeypatch):
                                 "--mok-minibatch-rows", "256", "--mok-ring-rows", "1024",
                                 "--mok-timeout-s", "5", "--mok-max-tokens-per-rank", "8192",
                                 "--mok-fuse-shared-expert", "--mok-megakernel-pairs", "off",
-                                "--mok-megakernel-group-blocks", "16"])
+                                "--mok-megakernel-group-blocks", "16", "--mok-training-ring-rows", "4096"])
     assert args.moe_token_dispatcher_type == "mok"
     settings = settings_from_args(args)
     assert settings.backend == "reference" and settings.fuse_shared_expert
@@ -57,8 +57,13 @@ def test_flag_and_tunables_parse(monkeypatch):
     assert (cfg.comm_sms_forward, cfg.comm_sms_backward) == (6, 10)
     assert (cfg.minibatch_rows, cfg.ring_rows, cfg.timeout_s, cfg.max_tokens_per_rank) == (256, 1024, 5.0, 8192)
     assert cfg.megakernel == MegakernelTunables(pairs=False, group_blocks=16)
+    assert cfg.training_ring_rows == 4096
+    assert settings_from_args(_parse(monkeypatch, ["--mok-training-ring-rows", "0"])).config.training_ring_rows == 0
+    small_tiles = settings_from_args(_parse(monkeypatch, ["--mok-training-ring-rows", "192", "--mok-tile-rows", "64"]))
+    assert (small_tiles.config.training_ring_rows, small_tiles.config.tile_rows) == (192, 64)
     defaults = settings_from_args(_parse(monkeypatch, ["--moe-token-dispatcher-type", "mok"]))
     assert defaults.backend == "auto" and defaults.config.minibatch_rows is None
+    assert defaults.config.training_ring_rows is None
     assert defaults.config.megakernel == MegakernelTunables()
     assert settings_from_args(_parse(monkeypatch, ["--mok-megakernel-pairs", "on"])).config.megakernel.pairs is True
     assert not defaults.fuse_shared_expert
@@ -79,6 +84,9 @@ def test_parser_still_rejects_unknown_dispatchers_and_backends(monkeypatch, caps
 @pytest.mark.parametrize("flags,message", [
     (["--mok-minibatch-rows", "100"], r"minibatch_rows=100 must be a multiple of tile_rows=128"),
     (["--mok-megakernel-group-blocks", "3"], r"group_blocks=3 must be None \(the library's default\) or an even"),
+    (["--mok-training-ring-rows", "100"], r"training_ring_rows=100 must be a multiple of tile_rows=128"),
+    (["--mok-training-ring-rows", "-128"],
+     r"training_ring_rows=-128 must be None \(chosen automatically\) or an integer >= 0"),
 ])
 def test_validate_args_rejects_a_bad_tunable(monkeypatch, flags, message):
     import megatron_mok

@@ -8,7 +8,9 @@
   command line, gets MoK's message (not Megatron's assertion);
 * the EP group's NVLink domain comes from NVML's fabric information (faked here: a stand-in
   libnvidia-ml built with gcc, and GPU places given directly), decided at argument validation
-  through torchrun's key-value store.
+  through torchrun's key-value store;
+* rank 0 says how much memory the training ring reserves (``--mok-training-ring-rows``), and a
+  bad value stops the launcher with MoKConfig's message.
 """
 
 from __future__ import annotations
@@ -26,11 +28,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_mok import MoKConfig
+from megatron_mok.config import default_training_ring_rows
 from megatron_mok.megatron import MoKLayerSettings
 from megatron_mok.megatron.arg_files import expand_arg_files
 from megatron_mok.megatron.backend_choice import MoKBackendError, choose_backend
 from megatron_mok.megatron.peers import (EPTopologyError, GpuPlace, check_ep_domains_at_startup, ep_domain_problem,
                                          nvml_fabric)
+from megatron_mok.megatron.startup import (format_bytes, moe_layer_count, tokens_per_rank, training_ring_line,
+                                           training_ring_of)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = [f"@{ROOT}/configs/tiny.args", f"@{ROOT}/configs/local_no_te.args", "--micro-batch-size", "1",
@@ -310,3 +316,99 @@ def test_without_torchrun_the_check_waits_for_the_layer(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     assert check_ep_domains_at_startup(_args(0, 4, 4)) is False  # checked when the first MoK layer is built
     assert check_ep_domains_at_startup(_args(0, 4, 1)) is True  # EP 1: nothing to check
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. The training ring's memory, said at start-up.
+
+ROW_BYTES_DSV3 = 2 * 7168 + 4 + 4 * 2048  # x bf16, router weight fp32, gate|up bf16
+
+
+def _ring_args(**changes):
+    fields = dict(seq_length=4096, micro_batch_size=1, tensor_model_parallel_size=1, sequence_parallel=False,
+                  context_parallel_size=1, rank=0)
+    fields.update(changes)
+    return SimpleNamespace(**fields)
+
+
+def _dsv3_config(**changes):
+    """DeepSeek-V3's MoE layer shape at EP 64 (4 experts per rank): 3 dense + 58 MoE layers + MTP."""
+    fields = dict(hidden_size=7168, ffn_hidden_size=18432, moe_ffn_hidden_size=2048, num_moe_experts=256,
+                  moe_router_topk=8, expert_model_parallel_size=64, moe_shared_expert_intermediate_size=2048,
+                  num_layers=61, moe_layer_freq=[0] * 3 + [1] * 58, mtp_num_layers=1)
+    fields.update(changes)
+    return SimpleNamespace(**fields)
+
+
+def test_tokens_per_rank_and_moe_layer_count():
+    assert tokens_per_rank(_ring_args()) == 4096
+    assert tokens_per_rank(_ring_args(micro_batch_size=2, tensor_model_parallel_size=4)) == 8192  # TP without SP
+    assert tokens_per_rank(_ring_args(micro_batch_size=2, tensor_model_parallel_size=4, sequence_parallel=True)) == 2048
+    assert tokens_per_rank(_ring_args(context_parallel_size=2, tensor_model_parallel_size=2,
+                                      sequence_parallel=True)) == 1024
+    assert moe_layer_count(_dsv3_config()) == 59  # the MTP layer is built from the last (MoE) layer's spec
+    assert moe_layer_count(_dsv3_config(mtp_num_layers=None)) == 58
+    # Layers 0, 2, 4 and 6 are MoE layers; the last is dense, so the MTP layer is too.
+    assert moe_layer_count(_dsv3_config(num_layers=8, moe_layer_freq=2, mtp_num_layers=1)) == 4
+    assert moe_layer_count(_dsv3_config(num_layers=8, moe_layer_freq=1)) == 9
+    assert moe_layer_count(_dsv3_config(num_moe_experts=None)) == 0
+
+
+def test_training_ring_rows_and_bytes_of_the_default_and_of_the_flag():
+    ring = training_ring_of(_ring_args(), _dsv3_config(), MoKLayerSettings())
+    rows = default_training_ring_rows(tokens=4096, topk=8, experts_per_rank=4, tile_rows=128)
+    assert rows >= 4096 * 8 and rows % 128 == 0
+    assert (ring.rows, ring.tokens, ring.topk, ring.experts_per_rank, ring.moe_layers) == (rows, 4096, 8, 4, 59)
+    assert ring.bytes_per_layer == rows * ROW_BYTES_DSV3 and ring.total_bytes == 59 * ring.bytes_per_layer
+    assert training_ring_line(ring) == (
+        f"> megatron-mok: MoK training ring: {rows} rows per MoE layer and micro-batch "
+        f"({format_bytes(rows * ROW_BYTES_DSV3)}; 59 MoE layers: {format_bytes(59 * rows * ROW_BYTES_DSV3)} held "
+        "until their backward) [the default for 4096 tokens per rank, top-8, 4 experts per rank; "
+        "--mok-training-ring-rows sets it]")
+    # The fused shared expert is one more slot per token and one more local expert.
+    fused = training_ring_of(_ring_args(), _dsv3_config(), MoKLayerSettings(fuse_shared_expert=True))
+    assert (fused.topk, fused.experts_per_rank) == (9, 5)
+    assert fused.rows == default_training_ring_rows(tokens=4096, topk=9, experts_per_rank=5, tile_rows=128)
+    # Sequence parallelism over TP 2 halves the tokens of a rank.
+    sp = training_ring_of(_ring_args(tensor_model_parallel_size=2, sequence_parallel=True), _dsv3_config(),
+                          MoKLayerSettings())
+    assert sp.rows == default_training_ring_rows(tokens=2048, topk=8, experts_per_rank=4, tile_rows=128)
+    given = training_ring_of(_ring_args(), _dsv3_config(), MoKLayerSettings(config=MoKConfig(training_ring_rows=8192)))
+    assert given.rows == 8192 and given.configured and given.bytes_per_layer == 8192 * ROW_BYTES_DSV3
+    assert training_ring_line(given).endswith("(176 MiB; 59 MoE layers: 10.1 GiB held until their backward) "
+                                              "[--mok-training-ring-rows 8192]")
+    none = training_ring_of(_ring_args(), _dsv3_config(), MoKLayerSettings(config=MoKConfig(training_ring_rows=0)))
+    assert "0 rows per MoE layer and micro-batch (0.00 MiB; 59 MoE layers: 0.00 MiB held until their backward; " \
+           "every row is replayed in the backward)" in training_ring_line(none)
+    assert [format_bytes(n) for n in (0, 2 ** 20, 1536 * 2 ** 20, 70 * 2 ** 30, 123 * 2 ** 20)] == \
+        ["0.00 MiB", "1.00 MiB", "1.50 GiB", "70.0 GiB", "123 MiB"]
+
+
+def test_validate_args_prints_the_training_ring_on_rank_0(monkeypatch, capsys):
+    import megatron_mok
+
+    megatron_mok.register()  # before the import: it replaces validate_args
+    from megatron.training.arguments import parse_args, validate_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"] + expand_arg_files(TINY) + ["--bf16"])
+    validate_args(parse_args(), {})
+    lines = [line for line in capsys.readouterr().out.splitlines() if "MoK training ring" in line]
+    # configs/tiny.args: 128 tokens, top-2, 8 experts, H 128, I 128 (2 x 128 + 4 + 4 x 128 = 772 bytes a
+    # row); decoder layer 2 and the MTP layer.
+    rows = default_training_ring_rows(tokens=128, topk=2, experts_per_rank=8, tile_rows=128)
+    assert lines == [f"> megatron-mok: MoK training ring: {rows} rows per MoE layer and micro-batch "
+                     f"({format_bytes(rows * 772)}; 2 MoE layers: {format_bytes(2 * rows * 772)} held until their "
+                     "backward) [the default for 128 tokens per rank, top-2, 8 experts per rank; "
+                     "--mok-training-ring-rows sets it]"]
+
+
+def test_the_launcher_stops_a_bad_training_ring_with_mokconfig_message():
+    cmd = [sys.executable, "-m", "megatron_mok.pretrain_gpt", "@configs/tiny.args", "@configs/local_no_te.args",
+           "--moe-token-dispatcher-type", "mok", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+           "--bf16", "--mok-training-ring-rows", "1000"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("mok-pretrain-gpt: error: MoKConfig.training_ring_rows=1000 must be a multiple of tile_rows=128"
+            in proc.stderr)
+    assert "Traceback" not in proc.stderr

@@ -49,7 +49,7 @@ LAUNCH_STEPS = [
     ("the backend's run starts", "functional.megakernel_backend.MegakernelBackend.run", "start"),
     ("workspace lookup", "functional.megakernel_backend.get_workspace", "end"),
     ("launch plan (_prepared_launch)", "functional.megakernel_backend._prepared_launch", "end"),
-    ("weight arguments", "functional.cuda_backend.weight_arguments", "end"),
+    ("weight arguments", "functional.expert_ffn.weight_arguments", "end"),
     ("the autograd function's forward starts", "functional.megakernel_backend._MegakernelMoE.forward", "start"),
     ("the forward starts (_run_forward)", "functional.megakernel_backend._run_forward", "start"),
     ("status check (raise_if_failed)", "functional.workspace.Workspace.raise_if_failed", "end"),

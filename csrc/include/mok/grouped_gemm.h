@@ -88,7 +88,29 @@ MOK_API int mok_gemm_fc2_dgrad(const void* dy, const void* fc2_weight, const int
 // (accumulate: out += ..., e.g. into Megatron's main_grad) or bf16 (out_bf16 = 1, no
 // accumulate). fc1: a = dgu, b = x (M = 2I, N = H); fc2: a = dy, b = h (M = H, N = I).
 // Experts without rows get zeros (or are left as they are when accumulating). tma_store needs
-// the bf16 output. Needs M % 128 == 0 and N % 256 == 0.
+// the bf16 output. Needs M % 128 == 0 and N % 256 == 0. Deterministic: fp32 accumulation over
+// the segment's 64-row blocks in ascending row order.
+//
+// Over a range of rows [row0, row1) of the layout (a chunk of it), with a and b holding only
+// those rows: layout row r is row r - row0 of a and b (rows_cap rows). offsets are the whole
+// layout's. row0 is a multiple of 64; row1 is a multiple of 64 with row0 < row1 <= row0 +
+// rows_cap, or exactly row0 + rows_cap (any value: the range takes all rows a and b hold; rows
+// past the last multiple of 64 are never read, no segment holds them). The whole layout in one
+// call: row0 = 0, row1 = rows_cap, no carries. Expert e with segment [g0, g1) takes part when
+// g0 < row1 && g1 > row0, or, empty (g0 == g1), when row0 <= g0 <= row1; the tiles of the
+// others write nothing. A non-empty expert runs its rows inside the range, and:
+//   - g0 < row0: its accumulator starts from carry_in (fp32 [M, N], the partial sum an earlier
+//     range carried out) instead of zero; carry_in must not be null when row0 > 0;
+//   - g1 > row1 and carry_out != null: its fp32 accumulator goes to carry_out ([M, N]) and out
+//     is not written; carry_out null means the range is the last one (row1 >= offsets[L]);
+//   - otherwise out[e] is written as by the whole-layout call.
+// At most one expert spans row0 and one spans row1 (possibly the same). carry_in and carry_out
+// must not overlap (consecutive ranges ping-pong two buffers). Any partition of the layout into
+// consecutive ranges, called range by range with each carry_out the next carry_in, gives out
+// bitwise equal to the whole-layout call (the fp32 round trip of the carry is exact and the K
+// blocks run in the same order).
 MOK_API int mok_gemm_weight_grad(const void* a, const void* b, const int32_t* offsets, void* out,
                                  int out_bf16, int accumulate, int tma_store, int64_t rows_cap,
-                                 int L, int M, int N, int num_ctas, cudaStream_t stream);
+                                 int L, int M, int N, int64_t row0, int64_t row1,
+                                 const float* carry_in, float* carry_out, int num_ctas,
+                                 cudaStream_t stream);

@@ -85,11 +85,16 @@ typedef struct MokMegakernelArgs {
                                  // mok/megakernel/trace.cuh says what each record holds)
   int64_t trace_capacity;        // records of `trace`
   // For training (all three or none): the activations the cuda backend's backward reads, at
-  // their expert-grouped layout rows (padding rows zero): the pulled rows bf16 [R_cap, H], their
-  // router weights fp32 [R_cap] and the fc1 pre-activation bf16 [R_cap, 2I] (gate | up).
+  // their expert-grouped layout rows (padding rows zero), for layout rows 0 .. save_rows - 1
+  // only: the pulled rows bf16 [save_rows, H], their router weights fp32 [save_rows] and the
+  // fc1 pre-activation bf16 [save_rows, 2I] (gate | up). Nothing at or past save_rows is
+  // written (the backward recomputes those rows); rows past the layout's end (offsets[L]) are
+  // never reached, so any save_rows at or past it keeps every row.
   void* save_x;
   float* save_w;
   void* save_gu;
+  int64_t save_rows;  // >= 0, a multiple of 128 (a row block is kept whole or not at all); 0
+                      // when the three pointers are null. Pointers with save_rows 0 save nothing.
   // A second weight segment, for experts whose weights lie in tensors of their own (a shared
   // expert next to the routed ones, without a copy): local experts L1 .. L - 1 take their
   // weights from fc1_weight2 bf16 [L - L1, 2I, H] and fc2_weight2 bf16 [L - L1, H, I]; the

@@ -388,20 +388,73 @@ struct SwiGLUBackwardEpilogue {
 
 // ---- weight gradients ------------------------------------------------------------------------
 
-// out[e][m][n] (fp32, optionally accumulated, or bf16), written directly.
+// The fp32 accumulator of consumer warpgroup wm of tile t, stored to or loaded from a row-major
+// fp32 [M, ld] matrix at the tile's place (t.m0, t.n0): acc[4i + 2j] and acc[4i + 2j + 1] are
+// row t.m0 + 64 wm + f.row + 8j, columns t.n0 + f.col + 8i and + 1. The store and the load use
+// the same mapping, so a partial sum carried between launches comes back into the very
+// registers it left (and an fp32 round trip is exact).
+template <int WGN>
+__device__ __forceinline__ void store_wgrad_fp32(float* dst, int ld, const WgradTile& t, int wm,
+                                                 const float (&acc)[WGN / 2]) {
+  const Fragment f;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int m = t.m0 + wm * 64 + f.row + 8 * j;
+    float* o = dst + static_cast<int64_t>(m) * ld + t.n0 + f.col;
+#pragma unroll
+    for (int i = 0; i < WGN / 8; ++i)
+      *reinterpret_cast<float2*>(o + 8 * i) = make_float2(acc[4 * i + 2 * j], acc[4 * i + 2 * j + 1]);
+  }
+}
+
+// Where `load`, acc is replaced by src's elements (src may be null otherwise). Predicated loads,
+// not a branch: accumulator registers defined under control flow before the K loop make ptxas
+// serialise the tile's wgmmas (C7515).
+template <int WGN>
+__device__ __forceinline__ void load_wgrad_fp32(bool load, const float* src, int ld,
+                                                const WgradTile& t, int wm, float (&acc)[WGN / 2]) {
+  const Fragment f;
+  const uint32_t pred = load ? 1u : 0u;
+  const uint64_t base = reinterpret_cast<uint64_t>(src);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int64_t m = t.m0 + wm * 64 + f.row + 8 * j;
+    const uint64_t row = base + 4 * static_cast<uint64_t>(m * ld + t.n0 + f.col);
+#pragma unroll
+    for (int i = 0; i < WGN / 8; ++i)
+      asm volatile(
+          "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %2, 0;\n\t@p ld.global.v2.f32 {%0, %1}, [%3];\n\t}"
+          : "+f"(acc[4 * i + 2 * j]), "+f"(acc[4 * i + 2 * j + 1])
+          : "r"(pred), "l"(row + 32 * i));
+  }
+}
+
+// out[e][m][n] (fp32, optionally accumulated, or bf16), written directly; a carry-out tile
+// (its expert's segment goes on past the launch's rows) stores its fp32 partial sum to
+// carry_out [M, N] instead.
 struct WgradEpilogue {
   struct Params {
     void* out;        // [L, M, N] fp32 or bf16
     int out_bf16;     // 1: bf16, 0: fp32
     int accumulate;   // fp32 only: out += acc
     int M, N;
+    float* carry_out; // [M, N] fp32, or null
   };
   template <int WGN>
   __device__ __forceinline__ static void apply(const Params& p, const WgradTile& t, int wm,
                                                float (&acc)[WGN / 2], uint8_t*, int) {
+    if (t.carry_out) {
+      store_wgrad_fp32<WGN>(p.carry_out, p.N, t, wm, acc);
+      return;
+    }
+    // An empty expert adds zeros: leave main_grad as it is.
+    if (p.accumulate && t.k_rows <= 0 && !t.carry_in) return;
     const Fragment f;
     const int64_t base = static_cast<int64_t>(t.expert) * p.M * p.N;
-    if (p.accumulate && t.k_rows <= 0) return;  // adding zeros: leave main_grad as it is
+    if (!p.out_bf16 && !p.accumulate) {
+      store_wgrad_fp32<WGN>(static_cast<float*>(p.out) + base, p.N, t, wm, acc);
+      return;
+    }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int m = t.m0 + wm * 64 + f.row + 8 * j;
@@ -412,7 +465,7 @@ struct WgradEpilogue {
         for (int i = 0; i < WGN / 8; ++i)
           *reinterpret_cast<__nv_bfloat162*>(o + 8 * i) =
               __floats2bfloat162_rn(acc[4 * i + 2 * j], acc[4 * i + 2 * j + 1]);
-      } else if (p.accumulate) {
+      } else {
         float* o = static_cast<float*>(p.out) + off;
 #pragma unroll
         for (int i0 = 0; i0 < WGN / 8; i0 += 8) {  // 8 loads in flight before the adds
@@ -426,26 +479,30 @@ struct WgradEpilogue {
             *reinterpret_cast<float2*>(o + 8 * (i0 + k)) = v[k];
           }
         }
-      } else {
-        float* o = static_cast<float*>(p.out) + off;
-#pragma unroll
-        for (int i = 0; i < WGN / 8; ++i)
-          *reinterpret_cast<float2*>(o + 8 * i) = make_float2(acc[4 * i + 2 * j], acc[4 * i + 2 * j + 1]);
       }
     }
   }
   __device__ __forceinline__ static void finish(int) {}
 };
 
-// bf16 weight gradient through the staging buffer: out viewed as [L * M, N], box {64, 64}.
+// bf16 weight gradient through the staging buffer: out viewed as [L * M, N], box {64, 64}. A
+// carry-out tile stores its fp32 partial sum directly (store_wgrad_fp32) and leaves the staging
+// buffer alone: the flag is the same for the whole tile, so all 128 threads of the warpgroup
+// skip the staging barriers together, and the next staged tile still waits for the previous
+// bulk stores in staging_acquire.
 struct WgradTmaEpilogue {
   struct Params {
     CUtensorMap map;
-    int M;
+    int M, N;
+    float* carry_out;  // [M, N] fp32, or null
   };
   template <int WGN>
   __device__ __forceinline__ static void apply(const Params& p, const WgradTile& t, int wm,
                                                float (&acc)[WGN / 2], uint8_t* staging, int cw) {
+    if (t.carry_out) {
+      store_wgrad_fp32<WGN>(p.carry_out, p.N, t, wm, acc);
+      return;
+    }
     staging_acquire(cw);
     stage_tile<WGN>(staging, acc);
     if (staging_publish(cw)) {

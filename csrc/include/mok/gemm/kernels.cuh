@@ -111,10 +111,14 @@ template <class Epi>
 struct WgradKernelParams {
   WgradOperands op;
   typename Epi::Params epi;
-  const int32_t* offsets;  // [L + 1]
+  const int32_t* offsets;  // [L + 1], the whole layout's
   int L;
+  int row0, row1;          // the launch's layout rows (multiples of 64; row0 == row1: none)
 };
 
+// Weight gradients of the experts with a part in the layout rows [row0, row1): a segment that
+// began before row0 starts from op.carry_in, one that goes on past row1 ends in epi.carry_out
+// (when given); experts with no part in the range get no tile (see WgradScheduler).
 template <class Cfg, class Epi>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad_kernel(const __grid_constant__ WgradKernelParams<Epi> p) {
@@ -123,16 +127,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) ring.init_barriers();
   for (int i = threadIdx.x; i <= p.L; i += blockDim.x) ring.table0[i] = p.offsets[i];
   __syncthreads();
-  WgradScheduler::build_order(ring.table0, ring.table1, p.L);
+  WgradScheduler::build_order(ring.table0, ring.table1, p.L, p.row0, p.row1);
   __syncthreads();
-  const WgradScheduler sched(ring.table0, ring.table1, p.L, p.op.M / Cfg::BM, p.op.N / Cfg::BN);
+  const WgradScheduler sched(ring.table0, ring.table1, p.L, p.op.M / Cfg::BM, p.op.N / Cfg::BN,
+                             p.row0, p.row1, p.epi.carry_out != nullptr);
   const int wg = threadIdx.x / 128;
   PipeState st;
   if (wg == 0) {
     setmaxnreg_dec<kProducerRegisters>();
     if (threadIdx.x == 0) {
-      tma_prefetch_descriptor(&p.op.map_a);
-      tma_prefetch_descriptor(&p.op.map_b);
+      if (p.row1 > p.row0) {  // no rows: the operand maps were not encoded
+        tma_prefetch_descriptor(&p.op.map_a);
+        tma_prefetch_descriptor(&p.op.map_b);
+      }
       for (int t = blockIdx.x; t < sched.total; t += gridDim.x)
         load_wgrad_tile<Cfg>(p.op, sched.tile(t, Cfg::BM, Cfg::BN), ring, st);
     }
@@ -142,7 +149,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[Cfg::kAccRegs];
     for (int t = blockIdx.x; t < sched.total; t += gridDim.x) {
       const WgradTile tile = sched.tile(t, Cfg::BM, Cfg::BN);
-      mma_wgrad_tile<Cfg>(tile, wm, ring, st, acc);
+      mma_wgrad_tile<Cfg>(p.op, tile, wm, ring, st, acc);
       Epi::template apply<Cfg::WGN>(p.epi, tile, wm, acc, ring.staging(wm), wm);
     }
     Epi::finish(wm);

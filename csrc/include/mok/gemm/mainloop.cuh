@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "mok/gemm/config.cuh"
+#include "mok/gemm/epilogue.cuh"
 #include "mok/gemm/pipeline.cuh"
 #include "mok/gemm/ptx.cuh"
 #include "mok/gemm/scheduler.cuh"
@@ -130,13 +131,16 @@ __device__ __forceinline__ void mma_row_tile(const RowOperands& op, int wm, int 
   if (prev >= 0) ring.release(prev);
 }
 
-// Global operands of a weight gradient out[e] = A_e^T * B_e (A [rows, M], B [rows, N]).
+// Global operands of a weight gradient out[e] = A_e^T * B_e (A [rows, M], B [rows, N]) over a
+// range of the layout's rows: a and b hold the range's rows from its first (row0) on.
 struct WgradOperands {
-  CUtensorMap map_a;  // A [rows_cap, M] bf16, box {64, 64}
-  CUtensorMap map_b;  // B [rows_cap, N] bf16, box {64, 64}
+  CUtensorMap map_a;      // A [rows_cap, M] bf16, box {64, 64}
+  CUtensorMap map_b;      // B [rows_cap, N] bf16, box {64, 64}
   int M, N;
+  const float* carry_in;  // [M, N] fp32: the partial sum of the segment that spans row0, or null
 };
 
+// Producer: the tile's K rows t.row0 .. t.row0 + t.k_rows of a and b (nothing when k_rows = 0).
 template <class Cfg>
 __device__ __forceinline__ void load_wgrad_tile(const WgradOperands& op, const WgradTile& t,
                                                 const SmemRing<Cfg>& ring, PipeState& st) {
@@ -154,12 +158,16 @@ __device__ __forceinline__ void load_wgrad_tile(const WgradOperands& op, const W
   }
 }
 
-// Consumer warpgroup wm (rows wm*64 .. +64 of the output tile, all BN columns).
+// Consumer warpgroup wm (rows wm*64 .. +64 of the output tile, all BN columns). The accumulator
+// starts at zero, or at the carried partial sum for a carry-in tile; either way the K blocks
+// then run in ascending row order, the order of a launch over the whole segment.
 template <class Cfg>
-__device__ __forceinline__ void mma_wgrad_tile(const WgradTile& t, int wm, const SmemRing<Cfg>& ring,
-                                               PipeState& st, float (&acc)[Cfg::kAccRegs]) {
+__device__ __forceinline__ void mma_wgrad_tile(const WgradOperands& op, const WgradTile& t, int wm,
+                                               const SmemRing<Cfg>& ring, PipeState& st,
+                                               float (&acc)[Cfg::kAccRegs]) {
 #pragma unroll
   for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;
+  load_wgrad_fp32<Cfg::WGN>(t.carry_in, op.carry_in, op.N, t, wm, acc);
   const int nk = t.k_rows / kBK;
   int prev = -1;
   for (int kb = 0; kb < nk; ++kb) {

@@ -16,6 +16,8 @@
 // row count, largest first (ties by index), and tiles are dealt round-robin in that order:
 // each round of gridDim tiles has nearly equal costs, and the imbalance summed over all rounds
 // is at most one tile of the largest expert (longest-processing-time-first list scheduling).
+// A launch may cover only the layout rows [row0, row1) (a chunk of the rows): the row counts
+// are then those inside the range, and the experts with no part in it get no tiles at all.
 #pragma once
 
 #include <cstdint>
@@ -137,32 +139,55 @@ struct PairRowScheduler {
 
 struct WgradTile {
   int expert;
-  int row0;      // first row of the expert's segment (K runs over rows row0 .. row0 + k_rows)
-  int k_rows;    // rows of the expert's segment (a multiple of 64)
-  int m0, n0;    // output tile origin
+  int row0;        // first K row in a and b (the layout row minus the launch's row0)
+  int k_rows;      // K rows of the expert inside the launch's range (a multiple of 64; 0: none)
+  int m0, n0;      // output tile origin
+  bool carry_in;   // the segment began before the range: acc starts from the carried partial sum
+  bool carry_out;  // the segment goes on after the range: acc is carried out, not stored in out
 };
 
-// order: shared int32[L], filled by build_order(); offs: shared copy of offsets[0..L].
+// Expert l's part in the layout rows [row0, row1) (row0, row1 multiples of 64): its rows there,
+// 0 for an empty expert at a row of the range (row0 <= g0 <= row1, it still gets its zero
+// output), -1 when it has no part (its tiles are another launch's).
+__device__ __forceinline__ int wgrad_rows_in(const int32_t* offs, int l, int row0, int row1) {
+  const int g0 = offs[l], g1 = offs[l + 1];
+  if (g0 >= g1) return (row0 <= g0 && g0 <= row1) ? 0 : -1;
+  if (g0 >= row1 || g1 <= row0) return -1;
+  return min(g1, row1) - max(g0, row0);
+}
+
+// order: shared int32[L + 1], filled by build_order(); offs: shared copy of offsets[0..L].
 struct WgradScheduler {
   const int32_t* offs;
   const int32_t* order;
   int L, num_mb, num_nb, total;
+  int row0, row1;   // the launch's layout rows
+  bool carry_out;   // a carry-out buffer was given: segments past row1 carry out
 
   __device__ __forceinline__ WgradScheduler(const int32_t* offs_, const int32_t* order_, int L_,
-                                            int num_mb_, int num_nb_)
+                                            int num_mb_, int num_nb_, int row0_, int row1_,
+                                            bool carry_out_)
       : offs(offs_), order(order_), L(L_), num_mb(num_mb_), num_nb(num_nb_),
-        total(L_ * num_mb_ * num_nb_) {}
+        total(order_[L_] * num_mb_ * num_nb_), row0(row0_), row1(row1_), carry_out(carry_out_) {}
 
-  // All threads of the CTA call this, then synchronise: order[rank] = expert, by rows desc.
-  __device__ static void build_order(const int32_t* offs, int32_t* order, int L) {
+  // All threads of the CTA call this, then synchronise: order[rank] = expert, experts with a
+  // part in [row0, row1) first by their rows there (descending, ties by index), then the others;
+  // order[L] = the number of experts with a part.
+  __device__ static void build_order(const int32_t* offs, int32_t* order, int L, int row0,
+                                     int row1) {
     for (int l = threadIdx.x; l < L; l += blockDim.x) {
-      const int rows = offs[l + 1] - offs[l];
+      const int rows = wgrad_rows_in(offs, l, row0, row1);
       int rank = 0;
       for (int m = 0; m < L; ++m) {
-        const int r = offs[m + 1] - offs[m];
+        const int r = wgrad_rows_in(offs, m, row0, row1);
         rank += (r > rows) || (r == rows && m < l);
       }
       order[rank] = l;
+    }
+    if (threadIdx.x == 0) {
+      int present = 0;
+      for (int l = 0; l < L; ++l) present += wgrad_rows_in(offs, l, row0, row1) >= 0;
+      order[L] = present;
     }
   }
 
@@ -171,12 +196,16 @@ struct WgradScheduler {
     const int p = t / per_expert;
     const int local = t - p * per_expert;
     const int l = order[p];
+    const int g0 = offs[l], g1 = offs[l + 1];
+    const int lo = max(g0, row0), hi = min(g1, row1);
     WgradTile out;
     out.expert = l;
-    out.row0 = offs[l];
-    out.k_rows = offs[l + 1] - offs[l];
+    out.row0 = lo - row0;
+    out.k_rows = hi > lo ? hi - lo : 0;
     out.m0 = (local % num_mb) * bm;
     out.n0 = (local / num_mb) * bn;
+    out.carry_in = g0 < row0;  // with a part in the range: g1 > row0, the segment spans row0
+    out.carry_out = carry_out && g1 > row1;
     return out;
   }
 };

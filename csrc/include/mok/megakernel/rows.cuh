@@ -48,8 +48,9 @@ struct RowSpaces {
   const int32_t* table;     // schedule [R_cap, 2]
   uint4* ring_x;            // [ring_rows, H / 8]
   float* ring_w;            // [ring_rows]
-  uint4* save_x;            // [R_cap, H / 8] or null: the rows again, at their layout row
-  float* save_w;            // [R_cap] or null
+  uint4* save_x;            // [save_rows, H / 8] or null: the rows again, at their layout row
+  float* save_w;            // [save_rows] or null
+  int64_t save_rows;        // layout rows kept in save_x and save_w (a multiple of kBlockRows)
   int K;
   int vecs;                 // H / 8
 };
@@ -195,12 +196,17 @@ struct LaneRow {
 // Rows `range` of block b into its slot: rows and router weights. Padding rows are not written
 // into the ring: a GEMM output row depends only on its own input row, the SwiGLU epilogue stores
 // zeros for padding rows and nothing pushes them. With the training copy (save_x, save_w), the
-// rows and weights go there too, at their layout rows, and padding rows there are zeroed (the
-// backward's weight gradients sum over them). Warps `warp` of `warps` take rows row0 + warp,
-// row0 + warp + warps, ... With `pipe` (bulk copies) the rows are complete in global memory on
-// return.
+// rows and weights of a block in its kept prefix (layout rows < save_rows) go there too, at their
+// layout rows, and padding rows there are zeroed (the backward's weight gradients sum over
+// them); a block past the prefix goes to the ring only. Warps `warp` of `warps` take rows
+// row0 + warp, row0 + warp + warps, ... With `pipe` (bulk copies) the rows are complete in
+// global memory on return.
 __device__ __forceinline__ void pull_rows(const RowSpaces& rs, int block, RowRange range, int slot, int warp,
                                           int warps, int lane, CopyPipe* pipe) {
+  // save_rows is a multiple of kBlockRows: the block is kept whole or not at all.
+  const bool keep = (int64_t)(block + 1) * kBlockRows <= rs.save_rows;
+  uint4* const save_x = keep ? rs.save_x : nullptr;
+  float* const save_w = keep ? rs.save_w : nullptr;
   if (pipe != nullptr) {
     const LaneRow lr(rs, block, range, warp, warps, lane);
     const int r = lr.r, s = lr.s, route = lr.route;
@@ -214,19 +220,19 @@ __device__ __forceinline__ void pull_rows(const RowSpaces& rs, int block, RowRan
       src = base + rs.rows_offset + (int64_t)(route / rs.K) * row_bytes;
       const float w = __ldcg(reinterpret_cast<const float*>(base + rs.scalars_offset) + route);
       rs.ring_w[ring_row] = w;
-      if (rs.save_w != nullptr) rs.save_w[i] = w;
-    } else if (in_block && rs.save_w != nullptr) {
-      rs.save_w[i] = 0.f;
+      if (save_w != nullptr) save_w[i] = w;
+    } else if (in_block && save_w != nullptr) {
+      save_w[i] = 0.f;
     }
     char* dst = reinterpret_cast<char*>(rs.ring_x) + ring_row * row_bytes;
-    char* dst2 = rs.save_x != nullptr ? reinterpret_cast<char*>(rs.save_x) + i * row_bytes : nullptr;
+    char* dst2 = save_x != nullptr ? reinterpret_cast<char*>(save_x) + i * row_bytes : nullptr;
     stream_rows(*pipe, src, dst, dst2, s >= 0, (int)row_bytes, lane);
-    if (rs.save_x != nullptr) {  // padding rows of the training copy: zeros
+    if (save_x != nullptr) {  // padding rows of the training copy: zeros
       uint32_t padding = __ballot_sync(~0u, in_block && s < 0);
       while (padding) {
         const int k = __ffs(padding) - 1;
         padding &= padding - 1;
-        uint4* z = rs.save_x + ((int64_t)block * kBlockRows + range.row0 + warp + k * warps) * rs.vecs;
+        uint4* z = save_x + ((int64_t)block * kBlockRows + range.row0 + warp + k * warps) * rs.vecs;
         for (int v = lane; v < rs.vecs; v += 32) z[v] = make_uint4(0u, 0u, 0u, 0u);
       }
     }
@@ -237,22 +243,22 @@ __device__ __forceinline__ void pull_rows(const RowSpaces& rs, int block, RowRan
     const int s = rs.table[2 * i];
     const int route = rs.table[2 * i + 1];
     if (s < 0) {
-      if (rs.save_x != nullptr) {
-        uint4* z = rs.save_x + i * rs.vecs;
+      if (save_x != nullptr) {
+        uint4* z = save_x + i * rs.vecs;
         for (int v = lane; v < rs.vecs; v += 32) z[v] = make_uint4(0u, 0u, 0u, 0u);
-        if (lane == 0) rs.save_w[i] = 0.f;
+        if (lane == 0) save_w[i] = 0.f;
       }
       continue;
     }
     const int64_t ring_row = (int64_t)slot * kBlockRows + r;
     const char* base = reinterpret_cast<const char*>(rs.bases[s]);
     const uint4* src = reinterpret_cast<const uint4*>(base + rs.rows_offset) + (int64_t)(route / rs.K) * rs.vecs;
-    copy_row_cg(src, rs.ring_x + ring_row * rs.vecs, rs.save_x != nullptr ? rs.save_x + i * rs.vecs : nullptr,
+    copy_row_cg(src, rs.ring_x + ring_row * rs.vecs, save_x != nullptr ? save_x + i * rs.vecs : nullptr,
                 rs.vecs, lane);
     if (lane == 0) {
       const float w = __ldcg(reinterpret_cast<const float*>(base + rs.scalars_offset) + route);
       rs.ring_w[ring_row] = w;
-      if (rs.save_w != nullptr) rs.save_w[i] = w;
+      if (save_w != nullptr) save_w[i] = w;
     }
   }
 }

@@ -76,7 +76,8 @@ struct TileOperands {
   CUtensorMap fc1_a_half;
   CUtensorMap fc2_a_half;
   gemm::SwiGLUForwardEpilogue::Params swiglu;  // h = ring h, scale = ring router weights, gu = null
-  __nv_bfloat16* save_gu;                      // [R_cap, 2I] training copy of the pre-activation, or null
+  __nv_bfloat16* save_gu;                      // [save_rows, 2I] training copy of the pre-activation, or null
+  int64_t save_rows;                           // layout rows kept in save_gu (a multiple of 128)
   PushTargets push;                            // fc2's output rows: their home (token, slot) rows
 };
 
@@ -349,14 +350,15 @@ __device__ __forceinline__ Fc2Tally consume_tiles(const TileOperands& ops, const
     // ~170 rows per expert (Kimi-K2 on 2 GPUs) a third of the blocks' halves are padding.
     const bool padding_only = t.row0 + cw * 64 >= t.row_end;
     if (kind == kFc1) {
-      // The training copy of the pre-activation goes to the block's layout rows: the epilogue
-      // addresses gu by ring row, so shift its base by (layout row - ring row).
+      // The training copy of the pre-activation goes to the block's layout rows, when the block
+      // lies in the kept prefix: the epilogue addresses gu by ring row, so shift its base by
+      // (layout row - ring row). ops.swiglu.gu is null: blocks past the prefix store no gu.
       gemm::SwiGLUForwardEpilogue::Params sp = ops.swiglu;
-      if (ops.save_gu != nullptr)
+      if (ops.save_gu != nullptr && (int64_t)(block + 1) * kBlockRows <= ops.save_rows)
         sp.gu = ops.save_gu + ((int64_t)block * kBlockRows - t.row0) * 2 * sp.inter;
       if (padding_only) {
         pass_stages(ops.fc1.K / gemm::kBK, ring1, st);
-        if (ops.save_gu != nullptr) zero_gu_half(sp, t, cw);
+        if (sp.gu != nullptr) zero_gu_half(sp, t, cw);
       } else {
         gemm::mma_row_tile<Fc1Cfg>(ops.fc1, cw, 0, ring1, st, acc);
         gemm::SwiGLUForwardEpilogue::apply<Fc1Cfg::WGN>(sp, t, cw, 0, Fc1Cfg::BN, acc, nullptr, cw);

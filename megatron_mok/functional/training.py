@@ -1,0 +1,242 @@
+"""The training path of the GPU backends: activations kept in a training ring of bounded size,
+the rest replayed, and the layer backward walked chunk by chunk.
+
+A forward with grad keeps, for the backward, the activations of the first N rows of the
+expert-grouped layout (x, router weight, fc1 pre-activation gate | up), N =
+``MoKConfig.training_ring`` rounded to whole row blocks and capped at the layout's rows. The
+backward walks the layout in chunks (:func:`chunk_plan`): the kept rows first, then the rows past
+N, which it replays: their x rows and router weights are pulled again from their home ranks (the
+home rank publishes them a second time, into the workspace's ``rows_x`` and ``scalars``) and fc1
+is recomputed, bitwise the forward's (same kernel, same rows, same K order). Every buffer of a
+call is sized by N or by one chunk, never by the worst case P * T * K: a hot expert taking every
+token costs replay time, not memory.
+
+Results do not depend on N or on the chunk size: row outputs (dX, d router weight, gate | up,
+h) are per-row functions, and each weight gradient runs one fp32 accumulator over its expert's
+rows in layout order, carried exactly from one chunk to the next through an fp32 buffer of one
+expert (``grouped_gemm.weight_grad_rows``).
+
+Where MoK's Hopper GEMMs do not take the shape (``ExpertCall.hopper_gemms`` false: torch's
+grouped GEMMs, which cannot carry a partial sum), the plan is one chunk that keeps every row of
+the worst-case layout, as the backends did before the training ring.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import torch
+
+from ..config import MoKConfig, training_chunk_rows
+from ..ops import comm as comm_ops
+from ..ops import grouped_gemm as mok_gemm
+from .expert_ffn import (ExpertCall, expert_backward, expert_forward, fc1_swiglu_segments,
+                         fc2_dgrad_swiglu_segments, plain_gemm_segments, segments)
+from .validate import MoEShape
+from .workspace import Workspace
+
+SITE_BWD_DISPATCH, SITE_BWD_COMBINE = 3, 4
+
+Kept = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""What a forward keeps of one chunk: x bf16 [n, H], router weight fp32 [n], gate | up bf16 [n, 2I]."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows [row0, row1) of the expert-grouped layout, kept by the forward or replayed."""
+
+    row0: int
+    row1: int
+    kept: bool
+
+    @property
+    def rows(self) -> int:
+        return self.row1 - self.row0
+
+
+def chunk_plan(capacity_rows: int, kept_rows: int, chunk_rows: int) -> Tuple[Chunk, ...]:
+    """The chunks of a layout of ``capacity_rows`` rows: [0, min(kept_rows, capacity_rows)) in
+    chunks of ``chunk_rows`` (kept), then the rest in chunks of ``chunk_rows`` (replayed).
+    Consecutive, in order, none empty, covering [0, capacity_rows) exactly."""
+    if chunk_rows <= 0 or kept_rows < 0 or capacity_rows < 0:
+        raise ValueError(f"chunk_plan({capacity_rows}, {kept_rows}, {chunk_rows}): sizes must be >= 0, "
+                         "chunk_rows > 0")
+    kept = min(kept_rows, capacity_rows)
+    out: List[Chunk] = []
+    for lo, hi, is_kept in ((0, kept, True), (kept, capacity_rows, False)):
+        for r in range(lo, hi, chunk_rows):
+            out.append(Chunk(r, min(r + chunk_rows, hi), is_kept))
+    return tuple(out)
+
+
+def chunk_layout(offsets: torch.Tensor, counts: torch.Tensor, row0: int, row1: int
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The layout as chunk [row0, row1) sees it, for the row kernels (pull, push, row GEMMs) on
+    the chunk's rows: (offsets int32 [L + 1], real-row counts int32 [L]) relative to row0,
+    clamped to the chunk, from the layout's int32 ``offsets`` [L + 1] and ``counts`` [L]."""
+    n = row1 - row0
+    offs = (offsets - row0).clamp_(0, n)
+    ends = (offsets[:-1] + counts - row0).clamp_(0, n)
+    return offs.to(torch.int32), (ends - offs[:-1]).clamp_(min=0).to(torch.int32)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(capacity_rows: int, tile_rows: int, kept_rows: int, chunk_rows: int) -> Tuple[Chunk, ...]:
+    # Rows past the last whole tile of the table hold no segment (every segment is padded to
+    # tile_rows), so the plan stops there: every chunk is whole tiles.
+    return chunk_plan(capacity_rows // tile_rows * tile_rows, kept_rows, chunk_rows)
+
+
+def training_plan(config: MoKConfig, shape: MoEShape, capacity_rows: int, tile_rows: int,
+                  hopper_gemms: bool) -> Tuple[Chunk, ...]:
+    """The chunks of one call's layout (``capacity_rows`` = the schedule table's rows, padded to
+    ``tile_rows``): the training ring's rows kept, the rest replayed, in chunks of
+    :func:`training_chunk_rows`. Without MoK's Hopper GEMMs: one kept chunk of every row."""
+    if not hopper_gemms:
+        return (Chunk(0, capacity_rows, True),)
+    ring = config.training_ring(tokens=shape.tokens, topk=shape.topk, experts_per_rank=shape.experts_per_rank)
+    return _plan(capacity_rows, tile_rows, ring, training_chunk_rows(ring, tile_rows))
+
+
+def kept_rows(plan: Sequence[Chunk]) -> int:
+    """Rows a forward with this plan keeps (the end of its last kept chunk)."""
+    return max((c.row1 for c in plan if c.kept), default=0)
+
+
+def split_kept(plan: Sequence[Chunk], x: torch.Tensor, w: torch.Tensor, gu: torch.Tensor) -> List[Kept]:
+    """The kept chunks' views of one forward's kept rows (x [N, H], w [N], gu [N, 2I])."""
+    return [(x[c.row0:c.row1], w[c.row0:c.row1], gu[c.row0:c.row1]) for c in plan if c.kept]
+
+
+# ---- forward (the cuda backend's; the megakernel keeps rows in its own launch) ------------------
+
+def cuda_forward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], table: torch.Tensor, offsets: torch.Tensor,
+                 counts: torch.Tensor, fc1, fc2, fc1_2, fc2_2, keep: bool) -> List[Kept]:
+    """The ``cuda`` backend's expert stage, chunk by chunk, after the dispatch prologue: pull the
+    chunk's x rows and router weights, the expert FFN (``expert_ffn.expert_forward``), push the
+    output rows to their (token, slot). Returns what the kept chunks keep when ``keep`` (a
+    forward with grad), else nothing."""
+    K, H = ws.layout.topk, ws.layout.hidden
+    kept: List[Kept] = []
+    for c in plan:
+        tab = table[c.row0:c.row1]
+        offs, cnts = (offsets, counts) if len(plan) == 1 else chunk_layout(offsets, counts, c.row0, c.row1)
+        x_c, w_c = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, tab, offs, K, c.rows, H,
+                                      True, 0)
+        out_rows, _, gu = expert_forward(call, x_c, w_c, fc1, fc2, offs, cnts, fc1_2, fc2_2)
+        comm_ops.push_rows(ws.bases, ws.layout.slots, 0, tab, offs, K, out_rows, None, 0)
+        if keep and c.kept:
+            kept.append((x_c, w_c, gu))
+    return kept
+
+
+# ---- backward ---------------------------------------------------------------------------------
+
+class _WeightGrads:
+    """The weight gradients of one backward (bf16, one tensor per weight segment), written chunk
+    by chunk; with several chunks, two fp32 carry buffers of one expert per matrix, used in
+    turn (a chunk reads the carry its predecessor wrote and writes the other)."""
+
+    def __init__(self, fc1s, fc2s, chunks: int):
+        self.fc1s, self.fc2s = fc1s, fc2s
+        self.d_fc1 = [torch.empty_like(w) for w in fc1s]  # [L_i, 2I, H]
+        self.d_fc2 = [torch.empty_like(w) for w in fc2s]  # [L_i, H, I]
+        self.chunks = chunks
+        self.carry1 = self.carry2 = None
+        if chunks > 1:
+            f32 = dict(dtype=torch.float32, device=fc1s[0].device)
+            self.carry1 = [torch.empty(fc1s[0].shape[1:], **f32) for _ in range(2)]
+            self.carry2 = [torch.empty(fc2s[0].shape[1:], **f32) for _ in range(2)]
+
+    def add(self, i: int, c: Chunk, offsets: torch.Tensor, counts: torch.Tensor, fc1: bool, a, b) -> None:
+        """Chunk i's share of d fc1[e] += a^T b (a = d gate|up, b = x) when ``fc1``, else of
+        d fc2[e] += a^T b (a = dY, b = h), over its rows (chunk-row operands), finishing every
+        expert whose rows end in the chunk. ``offsets`` int32 [L + 1] and ``counts`` int32 [L]: the
+        whole layout's."""
+        bufs = self.carry1 if fc1 else self.carry2
+        c_in = c_out = None
+        if bufs is not None:
+            c_in = bufs[(i - 1) % 2] if i > 0 else None
+            c_out = bufs[i % 2] if i < self.chunks - 1 else None
+        outs = self.d_fc1 if fc1 else self.d_fc2
+        for s, (_, offs, _) in enumerate(segments(self.fc1s, offsets, counts)):
+            mok_gemm.weight_grad_rows(a, b, offs, outs[s], row0=c.row0, row1=c.row1, carry_in=c_in, carry_out=c_out)
+
+
+def _replay_preact(call, x, w, fc1s, offsets, counts) -> torch.Tensor:
+    """gate | up bf16 [n, 2I] of replayed rows: fc1 as the forward ran it (the same kernel on the
+    same rows, so the same bits)."""
+    if len(fc1s) > 1:
+        return fc1_swiglu_segments(call, x, fc1s, offsets, counts, w)[1]
+    return mok_gemm.fc1_swiglu(x, fc1s[0], offsets, counts, w, tile_rows=call.segment_rows, save_preact=True)[1]
+
+
+def moe_backward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], kept: Sequence[Kept], dy: torch.Tensor,
+                 x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
+                 offsets: torch.Tensor, counts: torch.Tensor, fc1, fc2, fc1_2=None, fc2_2=None):
+    """The layer backward of both GPU backends, on workspace ``ws``: publish dy bf16 [T, H] (and,
+    when the plan replays rows, x bf16 [T, H] and topk_weights fp32 [T, K] again); then chunk by
+    chunk, pull the chunk's dy rows (reverse combine), take its kept activations (``kept``, one
+    entry per kept chunk) or replay them, run the fc2 data gradient with the SwiGLU backward, the
+    two weight gradients and the fc1 data gradient, and push dX and the router-weight gradient to
+    each route's (token, slot) on its home rank (reverse dispatch); finally sum the K slots of
+    each token in a fixed order.
+
+    Returns:
+        (dx bf16 [T, H], d topk_weights fp32 [T, K], d_fc1 bf16 [L1, 2I, H], d_fc2 bf16 [L1, H, I],
+        d_fc1_2, d_fc2_2: the second weight segment's, or None).
+    """
+    ws.raise_if_failed(call.timeout_s)
+    T = topk_ids.shape[0]
+    K, H = ws.layout.topk, ws.layout.hidden
+    ws.publish_rows(dy.to(torch.bfloat16).contiguous())
+    replays = any(not c.kept for c in plan)
+    if replays:
+        ws.publish_replay(x, topk_weights)
+    ws.barrier(SITE_BWD_DISPATCH, call.timeout_s)
+    fc1s = (fc1,) if fc1_2 is None else (fc1, fc1_2)
+    fc2s = (fc2,) if fc2_2 is None else (fc2, fc2_2)
+    if not call.hopper_gemms:  # one kept chunk (training_plan): torch's GEMMs on the whole layout
+        (c,), ((x_disp, w_disp, gu),) = plan, kept
+        d_out, _ = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, 0, table, offsets, K, c.rows, H, False, 0)
+        dx_rows, dw_rows, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = expert_backward(call, d_out, x_disp, w_disp, gu, fc1, fc2,
+                                                                          offsets, counts, fc1_2, fc2_2)
+        comm_ops.push_rows(ws.bases, ws.layout.slots, ws.layout.scalars, table, offsets, K, dx_rows, dw_rows, 0)
+    else:
+        grads = _WeightGrads(fc1s, fc2s, len(plan))
+        kept_iter = iter(kept)
+        for i, c in enumerate(plan):
+            tab = table[c.row0:c.row1]
+            offs, cnts = (offsets, counts) if len(plan) == 1 else chunk_layout(offsets, counts, c.row0, c.row1)
+            d_out, _ = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, 0, tab, offs, K, c.rows, H, False, 0)
+            if c.kept:
+                x_c, w_c, gu_c = next(kept_iter)
+            else:
+                x_c, w_c = comm_ops.pull_rows(ws.bases, ws.layout.rows_x, True, ws.layout.scalars, tab, offs, K,
+                                              c.rows, H, True, 0)
+                gu_c = _replay_preact(call, x_c, w_c, fc1s, offs, cnts)
+            # Each operand is dropped once its last reader is queued: the chunk's peak is dY, d gate|up
+            # and h, or d gate|up and the dX rows, never all four.
+            if len(fc2s) > 1:
+                d_gu, dw_rows, h = fc2_dgrad_swiglu_segments(call, d_out, fc2s, gu_c, offs, cnts, w_c)
+            else:
+                d_gu, dw_rows, h = mok_gemm.fc2_dgrad_swiglu(d_out, fc2, gu_c, offs, cnts, w_c,
+                                                             tile_rows=call.segment_rows, want_h=True)
+            del gu_c, w_c
+            grads.add(i, c, offsets, counts, False, d_out, h)
+            del d_out, h
+            grads.add(i, c, offsets, counts, True, d_gu, x_c)
+            del x_c
+            dx_rows = plain_gemm_segments(call, d_gu, fc1s, offs, cnts, fc1.shape[2], mok_gemm.check_fc1_dgrad,
+                                          mok_gemm.launch_fc1_dgrad)
+            del d_gu
+            comm_ops.push_rows(ws.bases, ws.layout.slots, ws.layout.scalars, tab, offs, K, dx_rows, dw_rows, 0)
+        d_fc1, d_fc2 = grads.d_fc1[0], grads.d_fc2[0]
+        d_fc1_2 = grads.d_fc1[1] if fc1_2 is not None else None
+        d_fc2_2 = grads.d_fc2[1] if fc2_2 is not None else None
+    ws.barrier(SITE_BWD_COMBINE, call.timeout_s)
+    dx, dw = comm_ops.sum_slots(ws.slots[:T], topk_ids, call.num_experts, ws.scalars[:T], ws.status)
+    ws.mirror_status()
+    return dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2
