@@ -25,6 +25,7 @@ from typing import Any, List, Optional
 import torch
 
 from ..config import training_ring_bytes
+from ..functional.expert_ffn import hopper_gemms_apply
 from .backend_choice import BackendChoice, choose_backend, layer_shape, model_dtype
 from .peers import check_ep_domains_at_startup
 from .settings import MoKLayerSettings
@@ -65,7 +66,7 @@ def check_job_after_megatron(args: Any, config: Any, settings: MoKLayerSettings)
     if device is not None and choice.backend != "reference":
         check_ep_domains_at_startup(args)
     if getattr(args, "rank", 0) == 0:
-        print(training_ring_line(training_ring_of(args, config, settings)), flush=True)
+        print(training_ring_line(training_ring_of(args, config, settings, backend=choice.backend)), flush=True)
     return choice
 
 
@@ -82,6 +83,8 @@ class TrainingRing:
         experts_per_rank: L, local experts (plus the fused shared expert's).
         tile_rows: the GEMM row-block height the default rounds to.
         configured: True when ``--mok-training-ring-rows`` set ``rows``, False for the default.
+        keeps_every_row: None, or why the GPU backend keeps every row of the worst-case layout
+            instead (then ``rows`` is that worst case, P x T x K + L x (tile_rows - 1)).
     """
 
     rows: int
@@ -92,6 +95,7 @@ class TrainingRing:
     experts_per_rank: int
     tile_rows: int
     configured: bool
+    keeps_every_row: Optional[str] = None
 
     @property
     def total_bytes(self) -> int:
@@ -133,19 +137,31 @@ def moe_layer_count(config: Any) -> int:
     return sum(pattern) + (mtp if pattern and pattern[-1] else 0)
 
 
-def training_ring_of(args: Any, config: Any, settings: MoKLayerSettings) -> TrainingRing:
+def training_ring_of(args: Any, config: Any, settings: MoKLayerSettings,
+                     backend: Optional[str] = None) -> TrainingRing:
     """The training ring of the job: ``settings.config.training_ring`` for this rank's tokens
     per micro-batch (:func:`tokens_per_rank` of ``args``) and the MoE layer shape of ``config``
     (``TransformerConfig``: K, L and, with a fused shared expert, its slots and experts; H, I),
-    with its bytes."""
+    with its bytes. When ``backend`` (the one the layers run) is a GPU backend and the shape is
+    outside MoK's Hopper GEMMs, whose backward alone replays rows, the rows are the worst-case
+    layout's instead, which that backend keeps."""
     tokens = tokens_per_rank(args)
     shape = layer_shape(config, settings, tokens=tokens)
     cfg = settings.config
     rows = cfg.training_ring(tokens=tokens, topk=shape.topk, experts_per_rank=shape.experts_per_rank)
+    tile = 128 if backend == "megakernel" else cfg.tile_rows
+    keeps_every_row = None
+    if backend in ("megakernel", "cuda") and not hopper_gemms_apply(shape, tile):
+        keeps_every_row = (f"hidden {shape.hidden}, expert FFN {shape.ffn_hidden}, tile rows {tile}: outside MoK's "
+                           "Hopper GEMMs (H and I multiples of 256, tiles of 64 or 128 rows), whose backward "
+                           "alone replays rows past a training ring")
+        ep = max(1, int(getattr(config, "expert_model_parallel_size", None)
+                        or getattr(args, "expert_model_parallel_size", None) or 1))
+        rows = ep * tokens * shape.topk + shape.experts_per_rank * (tile - 1)
     return TrainingRing(rows=rows, bytes_per_layer=training_ring_bytes(rows, shape.hidden, shape.ffn_hidden),
                         moe_layers=moe_layer_count(config), tokens=tokens, topk=shape.topk,
                         experts_per_rank=shape.experts_per_rank, tile_rows=cfg.tile_rows,
-                        configured=cfg.training_ring_rows is not None)
+                        configured=cfg.training_ring_rows is not None, keeps_every_row=keeps_every_row)
 
 
 def format_bytes(count: int) -> str:
@@ -162,6 +178,11 @@ def training_ring_line(ring: TrainingRing) -> str:
     (4096 tokens, top-8, 4 experts per rank, 58 + 1 MTP MoE layers): ``> megatron-mok: MoK
     training ring: 41216 rows per MoE layer and micro-batch (886 MiB; 59 MoE layers: 51.0 GiB held
     until their backward) [the default for ...]``."""
+    layers = f"{ring.moe_layers} MoE layer{'' if ring.moe_layers == 1 else 's'}"
+    if ring.keeps_every_row is not None:
+        return (f"> megatron-mok: MoK keeps every routed row's activations for the backward: {ring.rows} rows "
+                f"per MoE layer and micro-batch, the worst case ({format_bytes(ring.bytes_per_layer)}; {layers}: "
+                f"{format_bytes(ring.total_bytes)}), not a training ring [{ring.keeps_every_row}]")
     if ring.configured:
         source = f"--mok-training-ring-rows {ring.rows}"
     else:
@@ -169,5 +190,5 @@ def training_ring_line(ring: TrainingRing) -> str:
                   f"experts per rank; --mok-training-ring-rows sets it")
     replay = "; every row is replayed in the backward" if ring.rows == 0 else ""
     return (f"> megatron-mok: MoK training ring: {ring.rows} rows per MoE layer and micro-batch "
-            f"({format_bytes(ring.bytes_per_layer)}; {ring.moe_layers} MoE layer{'' if ring.moe_layers == 1 else 's'}: "
-            f"{format_bytes(ring.total_bytes)} held until their backward{replay}) [{source}]")
+            f"({format_bytes(ring.bytes_per_layer)}; {layers}: {format_bytes(ring.total_bytes)} held until their "
+            f"backward{replay}) [{source}]")

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from megatron_mok import MoKConfig
-from megatron_mok.config import default_training_ring_rows
+from megatron_mok.config import default_training_ring_rows, training_ring_bytes
 from megatron_mok.megatron import MoKLayerSettings
 from megatron_mok.megatron.arg_files import expand_arg_files
 from megatron_mok.megatron.backend_choice import MoKBackendError, choose_backend
@@ -412,3 +412,22 @@ def test_the_launcher_stops_a_bad_training_ring_with_mokconfig_message():
     assert ("mok-pretrain-gpt: error: MoKConfig.training_ring_rows=1000 must be a multiple of tile_rows=128"
             in proc.stderr)
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("backend, tile", [("megakernel", 128), ("cuda", 128), ("cuda", 64)])
+def test_a_shape_outside_the_hopper_gemms_says_it_keeps_every_row(backend, tile):
+    """A GPU backend on a shape whose backward cannot replay (I not a multiple of 256) keeps the
+    worst-case layout, P T K + L (tile - 1) rows, and the start-up line says so and why."""
+    settings = MoKLayerSettings(config=MoKConfig(tile_rows=tile))
+    ring = training_ring_of(_ring_args(), _dsv3_config(moe_ffn_hidden_size=1408), settings, backend=backend)
+    rows = 64 * 4096 * 8 + 4 * (tile - 1)
+    assert ring.keeps_every_row is not None and ring.rows == rows
+    assert ring.bytes_per_layer == training_ring_bytes(rows, 7168, 1408)
+    line = training_ring_line(ring)
+    assert line.startswith(f"> megatron-mok: MoK keeps every routed row's activations for the backward: {rows} rows "
+                           "per MoE layer and micro-batch, the worst case (")
+    assert "expert FFN 1408" in line and "outside MoK's Hopper GEMMs" in line
+    # The reference backend keeps what autograd keeps; a shape the GEMMs take gets the ring.
+    assert training_ring_of(_ring_args(), _dsv3_config(moe_ffn_hidden_size=1408), settings,
+                            backend="reference").keeps_every_row is None
+    assert training_ring_of(_ring_args(), _dsv3_config(), settings, backend=backend).keeps_every_row is None
