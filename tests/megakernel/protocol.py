@@ -1,17 +1,21 @@
 """A CPU replica of the forward megakernel's protocol (csrc/include/mok/megakernel/plan.cuh,
-crews.cuh, kernel.cuh), for the tests that check it cannot deadlock.
+crews.cuh, kernel.cuh), for the tests that check it cannot deadlock, and of the backward
+megakernel's plan (csrc/include/mok/megakernel/bwd_plan.cuh, docs/training.md section 2).
 
 The work plan itself comes from the library (``megatron_mok.ops.megakernel.plan_item``, the
 kernel's own functions); :func:`simulate` hands its queues to concurrent workers in random
-interleavings and replays the counters the kernel waits on and bumps.
+interleavings and replays the counters the kernel waits on and bumps. :func:`simulate_backward`
+does the same with the backward's plan (``mok_megakernel_backward_*`` through ctypes).
 """
 
 from __future__ import annotations
 
+import ctypes
 import random
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from megatron_mok.ops import megakernel as mk
+from megatron_mok.ops.library import load_library
 
 QUEUE_NAMES = ("compute", "pull", "first_pull")
 
@@ -209,5 +213,315 @@ def simulate(n_blocks: int, mb: int, slots: int, n1: int, n2: int, comm_workers:
         else:
             for t in issued[w].pop(0):
                 finish(t)
+    assert not owner, f"slots still held at the end: {owner}"
+    return None
+
+
+# ---- the backward megakernel's plan (bwd_plan.cuh) ----------------------------------------------
+
+BWD_KINDS = {3: "pull", 6: "pull_part", 7: "R", 8: "D2", 9: "D1", 10: "W"}
+"""Item kinds of the backward plan (bwd_plan.cuh; pulls keep the forward's numbers)."""
+BWD_COUNTERS = ("dy_ready", "gu_ready", "dgu_ready", "d1_done", "unit_ready", "w_done", "carry_done")
+"""The backward's counters by number: four per slot, two per unit, one per weight-gradient tile."""
+BWD_ITEM_WORDS = 62
+"""int32 words of an item record (mok_megakernel_backward_plan_item's out_len)."""
+BWD_SIZES = ("compute", "pull", "first_pull", "units", "minibatches", "tiles_per_unit", "strips_per_unit",
+             "first_blocks")
+
+_i, _i64, _v = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+
+
+class BwdItem(NamedTuple):
+    """An item of the backward plan: kind (BWD_KINDS' names), row block (W: its unit's last), column
+    (part, strip), unit, W's first tile and tile count, waits [(counter name, index, target)] and
+    signals [(counter name, index, amount)]."""
+
+    kind: str
+    block: int
+    col: int
+    unit: int
+    first_tile: int
+    tiles: int
+    waits: tuple
+    signals: tuple
+
+    @property
+    def key(self) -> tuple:
+        """(kind, block or unit, column): what identifies the item."""
+        return (self.kind, self.unit if self.kind == "W" else self.block, self.col)
+
+
+class BackwardPlan(NamedTuple):
+    """The library's tables of a backward plan (int32 array) and the sizes it reports."""
+
+    tables: object
+    words: int
+    sizes: Dict[str, int]
+
+
+def backward_exports():
+    """The library and its backward-plan exports."""
+    lib = load_library()
+    return lib, {
+        "tables": lib.function("mok_megakernel_backward_tables", _i,
+                               [_v, _i, _i, _i, _i, _i, _i, _i, _i, _i, _v, _i64, _v]),
+        "sizes": lib.function("mok_megakernel_backward_plan_sizes", _i, [_v, _i64, _v]),
+        "item": lib.function("mok_megakernel_backward_plan_item", _i, [_i, _i, _v, _i64, _v, _i]),
+    }
+
+
+def _bwd_error(lib, code: int, what: str) -> None:
+    """Raise mk.MegakernelArgumentError naming ``what`` when ``code`` is not MOK_OK."""
+    if code != 0:
+        raise mk.MegakernelArgumentError(f"{what}: {lib._dll.mok_error_string(code).decode()}")
+
+
+def backward_plan(expert_blocks: Sequence[int], mb: int, slots: int, unit: int, n_keep: int, h_cols: int,
+                  i_cols: int, strip: int = 4, group: int = 8) -> BackwardPlan:
+    """The library's backward plan for experts of ``expert_blocks`` row blocks (the kernel's
+    tables, built by mok_megakernel_backward_tables), and its queue sizes."""
+    lib, fns = backward_exports()
+    blocks = (ctypes.c_int32 * max(len(expert_blocks), 1))(*[int(b) for b in expert_blocks])
+    args = (blocks, len(expert_blocks), mb, slots, unit, n_keep, h_cols, i_cols, strip, group)
+    need = ctypes.c_int64()
+    _bwd_error(lib, fns["tables"](*args, None, 0, ctypes.byref(need)), f"backward tables {args[2:]}")
+    tables = (ctypes.c_int32 * need.value)()
+    _bwd_error(lib, fns["tables"](*args, tables, need.value, ctypes.byref(need)), "backward tables")
+    out = (ctypes.c_int64 * len(BWD_SIZES))()
+    _bwd_error(lib, fns["sizes"](tables, need.value, out), "backward plan sizes")
+    return BackwardPlan(tables, need.value, dict(zip(BWD_SIZES, (int(v) for v in out))))
+
+
+def backward_item(plan: BackwardPlan, queue: str, index: int) -> BwdItem:
+    """Item ``index`` of ``queue`` ("compute", "pull", "first_pull") of the library's backward plan."""
+    lib, fns = backward_exports()
+    out = (ctypes.c_int32 * BWD_ITEM_WORDS)()
+    _bwd_error(lib, fns["item"](mk.QUEUES[queue], index, plan.tables, plan.words, out, BWD_ITEM_WORDS),
+               f"backward plan item {queue} {index}")
+    kind, block, col, unit, first_tile, tiles, nw, ns = out[:8]
+    trip = [tuple(out[8 + 3 * i:11 + 3 * i]) for i in range(nw + ns)]
+    waits = tuple((BWD_COUNTERS[c], i, t) for c, i, t in trip[:nw])
+    signals = tuple((BWD_COUNTERS[c], i, a) for c, i, a in trip[nw:])
+    return BwdItem(BWD_KINDS[kind], block, col, unit, first_tile, tiles, waits, signals)
+
+
+def backward_queue(plan: BackwardPlan, queue: str) -> List[BwdItem]:
+    """Every item of a queue of the library's backward plan, in order."""
+    return [backward_item(plan, queue, i) for i in range(plan.sizes[queue])]
+
+
+def backward_units(expert_blocks: Sequence[int], unit: int) -> List[range]:
+    """The units of the layout, computed here (not by the library): each expert's blocks in runs of
+    ``unit`` blocks, in queue order, as ranges of blocks."""
+    out, first = [], 0
+    for n in expert_blocks:
+        out += [range(first + s, min(first + s + unit, first + n)) for s in range(0, n, unit)]
+        first += n
+    return out
+
+
+def backward_strips(h_cols: int, i_cols: int, strip: int) -> List[range]:
+    """The W strips of a unit as ranges of weight-gradient tiles, computed here: dW1 (4 i_cols
+    m-blocks by h_cols n-blocks), then dW2 (2 h_cols by i_cols), n-block by n-block, m-strips of
+    up to ``strip`` tiles inside; tile numbers n * m_blocks + m, dW2's after dW1's."""
+    out, base = [], 0
+    for mblocks, nblocks in ((4 * i_cols, h_cols), (2 * h_cols, i_cols)):
+        for n in range(nblocks):
+            out += [range(base + n * mblocks + m, base + n * mblocks + min(m + strip, mblocks))
+                    for m in range(0, mblocks, strip)]
+        base += mblocks * nblocks
+    return out
+
+
+def backward_expected_items(expert_blocks: Sequence[int], unit: int, n_keep: int, h_cols: int,
+                            i_cols: int, strip: int) -> set:
+    """Keys of every compute item the backward must run, from docs/training.md 2.2 (not from the
+    library): R per replayed block, D2 and D1 per block, W per strip of each unit."""
+    n = sum(expert_blocks)
+    keys = {("D2", b, c) for b in range(n) for c in range(i_cols)}
+    keys |= {("D1", b, c) for b in range(n) for c in range(h_cols)}
+    keys |= {("R", b, c) for b in range(n_keep, n) for c in range(2 * i_cols)}
+    strips = len(backward_strips(h_cols, i_cols, strip))
+    keys |= {("W", u, j) for u in range(len(backward_units(expert_blocks, unit))) for j in range(strips)}
+    return keys
+
+
+def simulate_backward(expert_blocks: Sequence[int], mb: int, slots: int, unit: int, n_keep: int, h_cols: int,
+                      i_cols: int, comm_workers: int, compute_workers: int, lookahead: int, seed: int,
+                      strip: int = 4, group: int = 8, stats: Optional[Dict[str, int]] = None) -> Optional[str]:
+    """Replay the backward megakernel's protocol with the library's plan: workers take queue items
+    in order, hold each until the counter targets of its waits are met, and bump the counters its
+    signals name. Returns None when every item ran, else a description of the deadlock (no worker
+    can move while items remain).
+
+    Workers, as docs/training.md 2.3: comm workers serve the first-pull queue (parts of the first
+    blocks) until it is empty, then compute. A compute worker's producer takes compute items in
+    order and issues one once its waits are met (up to ``lookahead`` issued and not consumed);
+    its consumers finish them in order; a D2 tile goes to the worker's offload crew, which has one
+    staging buffer (a D2 or W tile is consumed only once the crew has emptied it) and signals
+    dgu_ready and unit_ready when done. Each compute worker's pull helper takes the rest of the
+    first-pull queue, then the pull queue, in order.
+
+    Asserts, independently of the plan's waits (from what each item reads, docs/training.md 2.2):
+    every item runs exactly once and only after its inputs are done (R: the block's pull; D2: the
+    pull and, replayed, every R tile; D1: every D2 tile and its offload; W: the offloads of every
+    D2 tile of its unit); R only for replayed blocks; a block's items only while its slot holds it;
+    a slot pulled again only after its occupant's D1 tiles and every W tile of its unit; carrying
+    units touch each tile's carry in unit order (a unit's W tile after the previous carrying
+    unit's); every expected item ran. ``stats`` gets the pulls the helpers ran ("help")."""
+    rng = random.Random(seed)
+    plan = backward_plan(expert_blocks, mb, slots, unit, n_keep, h_cols, i_cols, strip, group)
+    queues = {q: backward_queue(plan, q) for q in QUEUE_NAMES}
+    n_blocks = sum(expert_blocks)
+    parts = mk.constants().first_pull_parts
+    units = backward_units(expert_blocks, unit)
+    unit_of = {b: u for u, r in enumerate(units) for b in r}
+    expert_units = []
+    for n in expert_blocks:
+        k = -(-n // unit)
+        expert_units += [k] * k
+    carry_rank, c = {}, 0
+    for u, k in enumerate(expert_units):
+        if k > 1:
+            carry_rank[u], c = c, c + 1
+    n_strips = len(backward_strips(h_cols, i_cols, strip))
+    nf = plan.sizes["first_blocks"]
+    counters: Dict[tuple, int] = {}
+    done, started = set(), set()
+    owner: Dict[int, int] = {}  # slot -> block in flight
+    carry_log: Dict[int, List[int]] = {}  # tile -> carry ranks that finished with it, in order
+
+    def ready(item):
+        return all(counters.get((cn, i), 0) >= t for cn, i, t in item.waits)
+
+    def pulled(b):
+        return ([("pull_part", b, j) for j in range(parts)] if b < nf else [("pull", b, 0)])
+
+    def start(item):
+        key = item.key
+        kind, b = item.kind, item.block
+        assert key not in started, f"{key} runs twice"
+        started.add(key)
+        s = b % slots
+        if kind in ("pull", "pull_part"):
+            if b >= slots:
+                prev = b - slots
+                assert all(("D1", prev, j) in done for j in range(h_cols)), f"pull {b} before D1 of {prev}"
+                assert all(("W", unit_of[prev], j) in done for j in range(n_strips)), (
+                    f"pull {b} before the W tiles of unit {unit_of[prev]} (block {prev})")
+            assert owner.get(s, b) == b, f"pull {b} into slot {s} still holding block {owner.get(s)}"
+            owner[s] = b
+            return
+        if kind == "W":
+            u = item.unit
+            assert all(("D2", x, j) in done for x in units[u] for j in range(i_cols)), f"W {u} before its D2s"
+            if u in carry_rank:
+                for t in range(item.first_tile, item.first_tile + item.tiles):
+                    assert carry_log.get(t, []) == list(range(carry_rank[u])), (
+                        f"W of unit {u} touches the carry of tile {t} after {carry_log.get(t)}")
+            return
+        assert owner.get(s) == b, f"{kind} of block {b} while slot {s} holds {owner.get(s)}"
+        need = {"R": pulled(b), "D1": [("D2", b, j) for j in range(i_cols)],
+                "D2": pulled(b) + ([("R", b, j) for j in range(2 * i_cols)] if b >= n_keep else [])}[kind]
+        assert kind != "R" or b >= n_keep, f"R of kept block {b}"
+        assert all(d in done for d in need), f"{key} started before its inputs"
+
+    def finish(item):
+        done.add(item.key)
+        for cn, i, a in item.signals:
+            counters[(cn, i)] = counters.get((cn, i), 0) + a
+        if item.kind == "W" and item.unit in carry_rank:
+            for t in range(item.first_tile, item.first_tile + item.tiles):
+                carry_log.setdefault(t, []).append(carry_rank[item.unit])
+        # A slot is free once its block's D1 tiles and its unit's W tiles are done.
+        for b in ([item.block] if item.kind != "W" else list(units[item.unit])):
+            s = b % slots
+            if owner.get(s) == b and all(("D1", b, j) in done for j in range(h_cols)) and all(
+                    ("W", unit_of[b], j) in done for j in range(n_strips)):
+                del owner[s]
+
+    n_workers = compute_workers + comm_workers
+    producer = [None] * n_workers  # item a producer waits on
+    issued = [[] for _ in range(n_workers)]  # items issued, consumed in order
+    offload = [None] * n_workers  # D2 tile in the worker's staging buffer
+    helper = [None] * compute_workers  # pull a helper holds
+    first_item = [None] * comm_workers  # part a comm worker holds
+    computing = [w < compute_workers for w in range(n_workers)]  # comm workers join when done pulling
+    nxt = {q: 0 for q in QUEUE_NAMES}
+    total = sum(len(q) for q in queues.values())
+    while len(done) < total:
+        actions = []
+        for w in range(comm_workers):
+            if computing[compute_workers + w]:
+                continue
+            if first_item[w] is not None:
+                if ready(first_item[w]):
+                    actions.append(("run_first", w))
+            elif nxt["first_pull"] < len(queues["first_pull"]):
+                actions.append(("take_first", w))
+            else:
+                actions.append(("join", w))
+        for w in range(compute_workers):
+            if helper[w] is not None:
+                if ready(helper[w]):
+                    actions.append(("run_help", w))
+            elif nxt["first_pull"] < len(queues["first_pull"]) or nxt["pull"] < len(queues["pull"]):
+                actions.append(("take_help", w))
+        for w in range(n_workers):
+            if not computing[w]:
+                continue
+            if producer[w] is None:
+                if nxt["compute"] < len(queues["compute"]) and len(issued[w]) < lookahead:
+                    actions.append(("take_compute", w))
+            elif ready(producer[w]):
+                actions.append(("issue", w))
+            if issued[w] and (issued[w][0].kind not in ("D2", "W") or offload[w] is None):
+                actions.append(("consume", w))
+            if offload[w] is not None:
+                actions.append(("offload", w))
+        if not actions:
+            return (f"deadlock with {len(done)} of {total} items done: helpers hold "
+                    f"{[h.key if h else None for h in helper]}, producers hold "
+                    f"{[p.key if p else None for p in producer]}, slots {owner}")
+        act, w = rng.choice(actions)
+        if act == "take_first":
+            first_item[w] = queues["first_pull"][nxt["first_pull"]]
+            nxt["first_pull"] += 1
+        elif act == "run_first":
+            start(first_item[w])
+            finish(first_item[w])
+            first_item[w] = None
+        elif act == "join":
+            computing[compute_workers + w] = True
+        elif act == "take_help":
+            q = "first_pull" if nxt["first_pull"] < len(queues["first_pull"]) else "pull"
+            helper[w] = queues[q][nxt[q]]
+            nxt[q] += 1
+        elif act == "run_help":
+            if stats is not None:
+                stats["help"] = stats.get("help", 0) + 1
+            start(helper[w])
+            finish(helper[w])
+            helper[w] = None
+        elif act == "take_compute":
+            producer[w] = queues["compute"][nxt["compute"]]
+            nxt["compute"] += 1
+        elif act == "issue":
+            start(producer[w])
+            issued[w].append(producer[w])
+            producer[w] = None
+        elif act == "consume":
+            item = issued[w].pop(0)
+            if item.kind == "D2":
+                offload[w] = item
+            else:
+                finish(item)
+        else:
+            finish(offload[w])
+            offload[w] = None
+    want = backward_expected_items(expert_blocks, unit, n_keep, h_cols, i_cols, strip)
+    want |= {("pull_part", b, j) for b in range(nf) for j in range(parts)}
+    want |= {("pull", b, 0) for b in range(nf, n_blocks)}
+    assert done == want, f"ran {len(done)} items, expected {len(want)}: {sorted(done ^ want)[:8]}"
     assert not owner, f"slots still held at the end: {owner}"
     return None

@@ -135,6 +135,37 @@ MOK_API int64_t mok_megakernel_counter_words(int ring_slots);
 MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_blocks, int slots,
                                      int n1, int n2, int pairs, int group_blocks, int32_t* out);
 
+// The backward megakernel's work plan (mok/megakernel/bwd_plan.cuh, docs/training.md section 2),
+// for tests. Its tables: for local experts of expert_blocks[0 .. L) row blocks of 128 rows,
+// minibatches of mb_blocks blocks, `slots` backward slots, units of up to unit_blocks blocks of
+// one expert (32 in the kernel), blocks below n_keep kept (the rest replayed), h_cols = H / 256,
+// i_cols = I / 256, W strips of up to strip_tiles tiles (4 in the kernel; at most 8) and column
+// sweeps over group_blocks blocks (even, 2 to 64). Writes the int32 words the tables take into
+// *words_needed and, when `tables` is not null, the tables (words at least that many). Returns
+// MOK_OK, or MOK_ERR_INVALID_ARGUMENT for sizes out of range (or past int32 positions).
+MOK_API int mok_megakernel_backward_tables(const int32_t* expert_blocks, int L, int mb_blocks, int slots,
+                                           int unit_blocks, int n_keep, int h_cols, int i_cols, int strip_tiles,
+                                           int group_blocks, int32_t* tables, int64_t words,
+                                           int64_t* words_needed);
+
+// Sizes of the backward plan whose tables (`words` int32) mok_megakernel_backward_tables built:
+// out[0..7] = items of the compute, pull and first-pull queues, units, minibatches,
+// weight-gradient tiles per unit, W strips per unit, blocks pulled in parts first. Returns MOK_OK
+// or MOK_ERR_INVALID_ARGUMENT.
+MOK_API int mok_megakernel_backward_plan_sizes(const int32_t* tables, int64_t words, int64_t* out);
+
+// Item `index` of queue `queue` (0 compute, 1 pull, 2 first pull) of the backward plan whose
+// tables are `tables`. Writes out[0..7] = kind (3 pull, 6 part of a first block's pull, 7 R,
+// 8 D2, 9 D1, 10 W), row block (W: its unit's last block), column block (part; W: strip), unit,
+// W's first weight-gradient tile and tile count (else 0), the number of waits nw and of signals
+// ns; then nw (counter, index, target) triples, the item starts once every counter[index] >=
+// target; then ns (counter, index, amount) triples, what it adds when done (D2: its offload).
+// Counters: 0 dy_ready, 1 gu_ready, 2 dgu_ready, 3 d1_done (by slot), 4 unit_ready, 5 w_done (by
+// unit), 6 carry_done (by weight-gradient tile). out_len: at least 62. Returns MOK_OK, or
+// MOK_ERR_INVALID_ARGUMENT for bad tables or sizes or an index out of range.
+MOK_API int mok_megakernel_backward_plan_item(int queue, int index, const int32_t* tables, int64_t words,
+                                              int32_t* out, int out_len);
+
 // The layout block each block of the queues stands for (mok/megakernel/plan.cuh, block order:
 // each expert's blocks from the front and the back in turn), for a rank whose local experts
 // received counts[0 .. L) rows: out[b] for the n_blocks = sum of ceil(counts[l] / 128) blocks

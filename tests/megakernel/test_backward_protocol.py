@@ -1,0 +1,302 @@
+"""The backward megakernel's work plan and protocol, on the CPU (no GPU; the library's own plan
+functions, csrc/include/mok/megakernel/bwd_plan.cuh, through its C ABI).
+
+The plan: every item of the three queues exactly once, the compute queue in the order of
+docs/training.md 2.4 (R(0), then D1(k-1), W(k-1), R(k+1), D2(k)), every wait and signal as the
+table of 2.5 gives it, all computed here from the doc rather than from the library. The protocol
+(tests/megakernel/protocol.py, simulate_backward): the queues handed to concurrent workers in
+random interleavings over random expert sizes, minibatches, unit sizes (scaled down from 32) and
+kept prefixes; no item before its inputs, no slot reused early, carries in unit order, and no
+deadlock with S_b = unit + 2 * minibatch (nor with one slot fewer, the doc's bound); a ring
+shorter than a unit deadlocks, and the replica sees it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+
+from megatron_mok.ops import megakernel as mk
+
+from .protocol import (BWD_ITEM_WORDS, QUEUE_NAMES, backward_expected_items, backward_exports, backward_item,
+                       backward_plan, backward_queue, backward_strips, backward_units, simulate_backward)
+
+
+
+# ---- the plan, from the doc -------------------------------------------------------------------
+
+def _minibatch(n_blocks, mb, m):
+    """Blocks of minibatch m (none outside 0 .. n_mb - 1)."""
+    n_mb = -(-n_blocks // mb)
+    return list(range(m * mb, min((m + 1) * mb, n_blocks))) if 0 <= m < n_mb else []
+
+
+def _sweep(kind, blocks, cols, group):
+    """Tiles of `blocks` with `cols` columns: groups of `group` blocks, column by column inside."""
+    return [(kind, b, c) for g in range(0, len(blocks), group) for c in range(cols) for b in blocks[g:g + group]]
+
+
+def expected_compute_queue(expert_blocks, mb, unit, n_keep, h, i, strip, group):
+    """The compute queue of docs/training.md 2.4 as item keys: R(0), then for k = 0 .. n_mb:
+    D1(k-1), W(k-1), R(k+1), D2(k); W(m) the strips of the units whose last block is in m."""
+    n = sum(expert_blocks)
+    n_mb = -(-n // mb)
+    units = backward_units(expert_blocks, unit)
+    strips = len(backward_strips(h, i, strip))
+
+    def R(m):
+        return _sweep("R", [b for b in _minibatch(n, mb, m) if b >= n_keep], 2 * i, group)
+
+    def W(m):
+        return [("W", u, j) for u, r in enumerate(units) if r[-1] // mb == m for j in range(strips)]
+
+    q = R(0)
+    for k in range(n_mb + 1):
+        q += (_sweep("D1", _minibatch(n, mb, k - 1), h, group) + W(k - 1) + R(k + 1)
+              + _sweep("D2", _minibatch(n, mb, k), i, group))
+    return q
+
+
+def expected_waits_and_signals(item, expert_blocks, slots, unit, n_keep, h, i, strip, mb):
+    """(waits, signals) of an item by the table of docs/training.md 2.5."""
+    n = sum(expert_blocks)
+    units = backward_units(expert_blocks, unit)
+    unit_of = {b: u for u, r in enumerate(units) for b in r}
+    tiles = 6 * h * i
+    nf = min(2 * mb, slots, n)
+    parts = mk.constants().first_pull_parts
+    # Carrying units: those of experts with more than one unit, in order.
+    experts = [_expert_of(expert_blocks, r[0]) for r in units]
+    carrying = [u for u, e in enumerate(experts) if experts.count(e) > 1]
+    b, s = item.block, item.block % slots
+    g = b // slots + 1
+    dy = ("dy_ready", s, (parts if s < nf else 1) + g - 1)
+    if item.kind in ("pull", "pull_part"):
+        waits = [] if g == 1 else [("d1_done", s, 2 * h * (g - 1)), ("w_done", unit_of[b - slots], 2 * tiles)]
+        return waits, [("dy_ready", s, 1)]
+    if item.kind == "R":
+        return [dy], [("gu_ready", s, 2)]
+    if item.kind == "D2":
+        r = sum(1 for gg in range(1, g + 1) if s + (gg - 1) * slots >= n_keep)
+        return [dy] + ([("gu_ready", s, 2 * 2 * i * r)] if b >= n_keep else []), [
+            ("dgu_ready", s, 1), ("unit_ready", unit_of[b], 1)]
+    if item.kind == "D1":
+        return [("dgu_ready", s, i * g)], [("d1_done", s, 2)]
+    u = item.unit
+    strip_tiles = list(backward_strips(h, i, strip)[item.col])
+    waits, signals = [("unit_ready", u, i * len(units[u]))], [("w_done", u, 2 * len(strip_tiles))]
+    if u in carrying:
+        c = carrying.index(u)
+        waits += [("carry_done", t, 2 * c) for t in strip_tiles] if c > 0 else []
+        signals += [("carry_done", t, 2) for t in strip_tiles]
+    return waits, signals
+
+
+def _expert_of(expert_blocks, b):
+    """The expert whose blocks hold queue block b."""
+    first = 0
+    for e, n in enumerate(expert_blocks):
+        if b < first + n:
+            return e
+        first += n
+    return None
+
+
+PLAN_CASES = [
+    # expert_blocks, mb, unit, n_keep, h, i, strip, group
+    ([5], 2, 2, 0, 2, 1, 4, 2),
+    ([3, 0, 5], 2, 2, 3, 2, 1, 4, 2),
+    ([0], 1, 1, 0, 1, 1, 1, 2),
+    ([1, 1, 1], 3, 4, 2, 3, 2, 3, 2),
+    ([17, 2, 9], 4, 3, 11, 2, 2, 4, 4),
+    ([30], 8, 8, 30, 1, 1, 2, 8),
+    ([6, 0, 0, 13, 1], 5, 5, 7, 3, 1, 8, 2),
+]
+
+
+@pytest.mark.parametrize("case", PLAN_CASES)
+def test_backward_plan_enumerates_every_item_once_in_the_documented_order(use_lib, case):
+    eb, mb, unit, n_keep, h, i, strip, group = case
+    n = sum(eb)
+    slots = unit + 2 * mb
+    plan = backward_plan(eb, mb, slots, unit, n_keep, h, i, strip, group)
+    assert plan.sizes["units"] == len(backward_units(eb, unit))
+    assert plan.sizes["tiles_per_unit"] == 6 * h * i
+    assert plan.sizes["strips_per_unit"] == len(backward_strips(h, i, strip))
+    compute = backward_queue(plan, "compute")
+    keys = [it.key for it in compute]
+    assert keys == expected_compute_queue(eb, mb, unit, n_keep, h, i, strip, group)
+    assert len(set(keys)) == len(keys) and set(keys) == backward_expected_items(eb, unit, n_keep, h, i, strip)
+    nf = min(2 * mb, slots, n)
+    assert [it.key for it in backward_queue(plan, "first_pull")] == [
+        ("pull_part", b, j) for b in range(nf) for j in range(mk.constants().first_pull_parts)]
+    assert [it.key for it in backward_queue(plan, "pull")] == [("pull", b, 0) for b in range(nf, n)]
+    # W strips cover every weight-gradient tile of the unit once.
+    for it in compute:
+        if it.kind == "W":
+            assert range(it.first_tile, it.first_tile + it.tiles) == backward_strips(h, i, strip)[it.col]
+            assert it.block == backward_units(eb, unit)[it.unit][-1]
+    # Past the end of each queue: refused.
+    for q in QUEUE_NAMES:
+        with pytest.raises(mk.MegakernelArgumentError):
+            backward_item(plan, q, plan.sizes[q])
+        with pytest.raises(mk.MegakernelArgumentError):
+            backward_item(plan, q, -1)
+
+
+@pytest.mark.parametrize("case", PLAN_CASES)
+@pytest.mark.parametrize("shrink", [0, 1])
+def test_backward_waits_and_signals_are_the_documented_ones(use_lib, case, shrink):
+    eb, mb, unit, n_keep, h, i, strip, group = case
+    slots = unit + 2 * mb - shrink
+    plan = backward_plan(eb, mb, slots, unit, n_keep, h, i, strip, group)
+    for q in QUEUE_NAMES:
+        for it in backward_queue(plan, q):
+            want = expected_waits_and_signals(it, eb, slots, unit, n_keep, h, i, strip, mb)
+            assert (list(it.waits), list(it.signals)) == want, (q, it)
+
+
+def test_phase_tables_at_the_ep64_worst_case(use_lib):
+    """EP = 64, T = 4096, top-8: 2^21 routed rows, 16384 row blocks (+ one partial block per
+    expert), minibatches of 16 blocks: 1025 minibatches, a phase table of ~4 KB. The Kimi-K2 item
+    counts (h_cols 28, i_cols 8, units of 32 blocks, strips of 4 tiles, S_b = 64). Positions
+    sampled across the queue match the doc's order."""
+    eb = [2731] * 5 + [2730]  # 6 experts per GPU at EP 64
+    mb, unit, h, i, strip, group = 16, 32, 28, 8, 4, 8
+    n_keep = 35072 // 128
+    plan = backward_plan(eb, mb, unit + 2 * mb, unit, n_keep, h, i, strip, group)
+    n_mb = plan.sizes["minibatches"]
+    assert n_mb == -(-sum(eb) // mb) == 1025
+    assert (n_mb + 3) * 4 < 4200  # the phase starts' bytes
+    assert plan.sizes["strips_per_unit"] == 336 and plan.sizes["tiles_per_unit"] == 1344
+    want = expected_compute_queue(eb, mb, unit, n_keep, h, i, strip, group)
+    assert plan.sizes["compute"] == len(want)
+    rng = random.Random(0)
+    positions = {0, len(want) - 1} | {rng.randrange(len(want)) for _ in range(3000)}
+    for p in sorted(positions):
+        assert backward_item(plan, "compute", p).key == want[p], p
+
+
+# ---- the C ABI --------------------------------------------------------------------------------
+
+def _tables_code(eb, mb=2, slots=6, unit=2, n_keep=0, h=1, i=1, strip=4, group=2, L=None, words=None,
+                 null_blocks=False, null_need=False):
+    """Return code of mok_megakernel_backward_tables (sizing call, and building when words given)."""
+    _, fns = backward_exports()
+    blocks = (ctypes.c_int32 * max(len(eb), 1))(*eb)
+    need = ctypes.c_int64()
+    tables = (ctypes.c_int32 * 4096)() if words is not None else None
+    return fns["tables"](None if null_blocks else blocks, len(eb) if L is None else L, mb, slots, unit, n_keep, h, i,
+                         strip, group, tables, words or 0, None if null_need else ctypes.byref(need))
+
+
+def test_backward_c_abi_rejects_bad_arguments(use_lib):
+    assert _tables_code([3, 2]) == 0 and _tables_code([3, 2], words=4096) == 0
+    bad = [dict(eb=[-1]), dict(eb=[3], L=0), dict(eb=[3], null_blocks=True), dict(eb=[3], null_need=True),
+           dict(eb=[3], mb=0), dict(eb=[3], slots=0), dict(eb=[3], unit=0), dict(eb=[3], n_keep=-1),
+           dict(eb=[3], h=0), dict(eb=[3], i=0), dict(eb=[3], strip=0), dict(eb=[3], strip=9),
+           dict(eb=[3], group=3), dict(eb=[3], group=0), dict(eb=[3], group=66), dict(eb=[3], words=5),
+           dict(eb=[1 << 20], h=1 << 10, i=1 << 10)]
+    for kw in bad:
+        assert _tables_code(**kw) == -1, kw
+    _, fns = backward_exports()
+    plan = backward_plan([3, 2], 2, 6, 2, 1, 1, 1, 4, 2)
+    out = (ctypes.c_int32 * BWD_ITEM_WORDS)()
+    assert fns["item"](0, 0, plan.tables, plan.words, out, BWD_ITEM_WORDS) == 0
+    assert fns["item"](3, 0, plan.tables, plan.words, out, BWD_ITEM_WORDS) == -1  # no such queue
+    assert fns["item"](0, 0, plan.tables, plan.words, out, BWD_ITEM_WORDS - 1) == -1  # short record
+    assert fns["item"](0, 0, plan.tables, plan.words - 1, out, BWD_ITEM_WORDS) == -1  # tables cut short
+    assert fns["item"](0, 0, None, plan.words, out, BWD_ITEM_WORDS) == -1
+    assert fns["item"](0, 0, plan.tables, plan.words, None, BWD_ITEM_WORDS) == -1
+    assert fns["sizes"](plan.tables, plan.words, None) == -1
+    assert fns["sizes"](None, plan.words, (ctypes.c_int64 * 8)()) == -1
+    bad_header = (ctypes.c_int32 * plan.words)(*plan.tables)
+    bad_header[1] = 0  # mb_blocks
+    assert fns["sizes"](bad_header, plan.words, (ctypes.c_int64 * 8)()) == -1
+    assert fns["item"](0, 0, bad_header, plan.words, out, BWD_ITEM_WORDS) == -1
+    with pytest.raises(mk.MegakernelArgumentError, match="backward tables"):
+        backward_plan([3], 0, 6, 2, 0, 1, 1)
+
+
+# ---- the protocol -----------------------------------------------------------------------------
+
+def _random_experts(rng: random.Random, unit: int):
+    """Expert sizes in blocks: empty, tiny, a few units, more than four units."""
+    choices = [0, 1, 2, unit, unit + 1, 3 * unit - 1, 4 * unit + 1, 5 * unit + 3]
+    return [rng.choice(choices) for _ in range(rng.randint(1, 5))]
+
+
+def _random_case(rng: random.Random) -> dict:
+    unit = rng.randint(1, 8)
+    eb = _random_experts(rng, unit)
+    n = sum(eb)
+    n_keep = rng.choice([0, n, rng.randint(0, n), rng.randint(0, n)])
+    return dict(expert_blocks=eb, mb=rng.randint(1, 8), unit=unit, n_keep=n_keep, h_cols=rng.randint(1, 3),
+                i_cols=rng.randint(1, 2), strip=rng.randint(1, 4), group=rng.choice([2, 4, 8]),
+                comm_workers=rng.randint(1, 4), compute_workers=rng.randint(1, 6), lookahead=rng.randint(1, 3))
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_backward_protocol_never_deadlocks_and_respects_dependencies(use_lib, seed):
+    """S_b = unit + 2 * minibatch (the kernel's) and one slot fewer (the doc's bound,
+    docs/training.md 2.7), each over a few interleavings."""
+    args = _random_case(random.Random(5000 + seed))
+    for shrink in (0, 1):
+        slots = args["unit"] + 2 * args["mb"] - shrink
+        for replay in range(2):
+            assert simulate_backward(**args, slots=slots, seed=seed * 10 + replay) is None, (args, slots)
+
+
+@pytest.mark.parametrize("weaken", ["w_done", "carry_done", "gu_ready", "unit_ready"])
+def test_the_replica_catches_a_plan_without_a_wait(use_lib, monkeypatch, weaken):
+    """The replica's own checks (not the plan's counters) see an item run early when the plan
+    drops one kind of wait: a slot pulled before its unit's W tiles, a carry touched out of unit
+    order, D2 before its R tiles, W before its unit's D2 tiles."""
+    from . import protocol
+
+    real = protocol.backward_item
+
+    def weakened(plan, queue, index):
+        it = real(plan, queue, index)
+        return it._replace(waits=tuple(w for w in it.waits if w[0] != weaken))
+
+    monkeypatch.setattr(protocol, "backward_item", weakened)
+    caught = 0
+    for seed in range(40):
+        args = _random_case(random.Random(5000 + seed))
+        try:
+            simulate_backward(**args, slots=args["unit"] + 2 * args["mb"], seed=seed)
+        except AssertionError:
+            caught += 1
+    assert caught > 0
+
+
+def test_backward_protocol_hot_expert_every_row_replayed(use_lib):
+    # One expert of 7 units through the smallest safe ring, nothing kept, one compute worker.
+    for workers, seed in ((1, 0), (2, 1), (5, 2)):
+        assert simulate_backward([27], 2, 4 + 4 - 1, 4, 0, 2, 1, comm_workers=1, compute_workers=workers,
+                                 lookahead=2, seed=seed, strip=3, group=2) is None
+
+
+def test_backward_helpers_take_every_pull(use_lib):
+    stats = {}
+    eb = [9, 0, 14]
+    for seed in range(3):
+        assert simulate_backward(eb, 2, 7, 3, 10, 2, 1, comm_workers=2, compute_workers=3, lookahead=2,
+                                 seed=seed, stats=stats) is None
+    # The helpers run every pull and the first-pull parts the comm workers left.
+    assert stats["help"] >= 3 * (sum(eb) - 4)
+
+
+@pytest.mark.parametrize("unit", [2, 3, 5, 8])
+def test_a_ring_shorter_than_a_unit_deadlocks_and_the_replica_sees_it(use_lib, unit):
+    """S_b = unit - 1 with an expert of at least a whole unit: the unit's W tiles wait for D2 of
+    its last block, which waits for that block's pull, which waits for the unit's W tiles (the
+    block is the first occupant's successor in its slot). The config forbids it."""
+    for seed in range(4):
+        mb = 1 + seed % 2
+        result = simulate_backward([unit + seed, 1], mb, unit - 1, unit, seed % 3, 1, 1, comm_workers=1,
+                                   compute_workers=2 + seed, lookahead=1 + seed % 3, seed=seed)
+        assert result is not None and result.startswith("deadlock"), (unit, seed)
