@@ -58,9 +58,9 @@ static constexpr int kBwdItemWords = 8 + 3 * (kMaxBwdWaits + kMaxBwdSignals);
 
 MOK_API int mok_megakernel_backward_tables(const int32_t* expert_blocks, int L, int mb_blocks, int slots,
                                            int unit_blocks, int n_keep, int h_cols, int i_cols, int strip_tiles,
-                                           int group_blocks, int32_t* tables, int64_t words,
+                                           int group_blocks, int pairs, int32_t* tables, int64_t words,
                                            int64_t* words_needed) {
-  MOK_REQUIRE(expert_blocks != nullptr && words_needed != nullptr && L >= 1);
+  MOK_REQUIRE(expert_blocks != nullptr && words_needed != nullptr && L >= 1 && (pairs == 0 || pairs == 1));
   MOK_REQUIRE(mb_blocks >= 1 && slots >= 1 && unit_blocks >= 1 && n_keep >= 0 && h_cols >= 1 && i_cols >= 1);
   MOK_REQUIRE(strip_tiles >= 1 && strip_tiles <= kMaxStripTiles);
   MOK_REQUIRE(group_blocks >= kMinGroupBlocks && group_blocks <= kMaxGroupBlocks && group_blocks % 2 == 0);
@@ -79,7 +79,7 @@ MOK_API int mok_megakernel_backward_tables(const int32_t* expert_blocks, int L, 
   if (tables == nullptr) return MOK_OK;
   MOK_REQUIRE(words >= *words_needed);
   build_bwd_tables(expert_blocks, L, mb_blocks, slots, unit_blocks, n_keep, h_cols, i_cols, strip_tiles,
-                   group_blocks, tables);
+                   group_blocks, pairs, tables);
   return MOK_OK;
 }
 
@@ -90,6 +90,7 @@ static bool bwd_tables_valid(const int32_t* tables, int64_t words) {
   const BwdPlan p = bwd_plan_of(tables);
   if (p.n_blocks < 0 || p.mb_blocks < 1 || p.slots < 1 || p.unit_blocks < 1 || p.n_keep < 0 || p.h_cols < 1 ||
       p.i_cols < 1 || p.strip_tiles < 1 || p.strip_tiles > kMaxStripTiles || p.group_blocks < 1 ||
+      (p.pairs != 0 && p.pairs != 1) || (p.pairs == 1 && p.group_blocks < 2) ||
       p.n_units < 0 || p.n_units > p.n_blocks || p.n_mb != div_up(p.n_blocks, p.mb_blocks))
     return false;
   return words >= bwd_table_words(p.n_blocks, p.mb_blocks, p.n_units);
@@ -132,6 +133,30 @@ MOK_API int mok_megakernel_backward_plan_item(int queue, int index, const int32_
     out[k++] = signals[i].counter;
     out[k++] = signals[i].index;
     out[k++] = signals[i].amount;
+  }
+  return MOK_OK;
+}
+
+MOK_API int mok_megakernel_training_ring_rows_of(const int32_t* counts, int L, int64_t ring_rows, int32_t* n_keep,
+                                                 int32_t* out, int64_t out_len) {
+  MOK_REQUIRE(counts != nullptr && n_keep != nullptr && out != nullptr && L >= 1 && ring_rows >= 0);
+  int64_t n_blocks = 0, rows = 0;
+  for (int l = 0; l < L; ++l) {
+    MOK_REQUIRE(counts[l] >= 0);
+    n_blocks += div_up(counts[l], kBlockRows);
+    rows += (int64_t)div_up(counts[l], kBlockRows) * kBlockRows;
+  }
+  MOK_REQUIRE(2 * n_blocks <= out_len && rows < INT32_MAX);
+  *n_keep = training_ring_keep(counts, L, ring_rows);
+  // Each expert's blocks start at its compact offset, the ring rows of the experts before it.
+  int b = 0, offset = 0;
+  for (int l = 0; l < L; ++l) {
+    const int n = div_up(counts[l], kBlockRows);
+    for (int j = 0; j < n; ++j, ++b) {
+      out[2 * b] = offset + expert_compact_rows(counts[l], j);
+      out[2 * b + 1] = compact_block_halves(counts[l], j);
+    }
+    offset += expert_compact_rows(counts[l], n);
   }
   return MOK_OK;
 }

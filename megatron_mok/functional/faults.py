@@ -59,7 +59,7 @@ class MoKCapacityError(ValueError):
     """A call has more tokens than the workspace was sized for."""
 
 
-# Where a wait happened (MOK_STATUS_WHERE and the host rendezvous). 1-4 and 7-11 are the device's
+# Where a wait happened (MOK_STATUS_WHERE and the host rendezvous). 1-4 and 7-18 are the device's
 # waits (the cuda backend's barriers, the megakernel's waits; the reference backend meets at
 # 1-4 on the host too), 20-21 host rendezvous of the GPU backends.
 SITE_OWN_CHECKS = 0
@@ -77,6 +77,18 @@ SITE_NAMES = {
     10: "forward megakernel, inside this rank's launch (pull waiting for a free ring slot, i.e. "
         "for the fc2 tiles of the block before it)",
     11: "forward megakernel combine (waiting for every rank to push its expert outputs)",
+    # The backward megakernel's waits (12-18, csrc/include/mok/megakernel.h, docs/training.md 2.5).
+    12: "backward megakernel, inside this rank's launch (D2 waiting for its block's pulled output gradients, "
+        "or a replayed block's recomputed fc1 pre-activation)",
+    13: "backward megakernel, inside this rank's launch (replay waiting for its block's pulled rows)",
+    14: "backward megakernel, inside this rank's launch (D1 waiting for its block's SwiGLU backward)",
+    15: "backward megakernel, inside this rank's launch (weight gradient waiting for its unit's SwiGLU "
+        "backward)",
+    16: "backward megakernel, inside this rank's launch (pull waiting for a free slot, i.e. for the D1 "
+        "and weight-gradient tiles of the block before it)",
+    17: "backward megakernel, inside this rank's launch (weight gradient waiting for the previous unit's "
+        "carry of its tiles)",
+    18: "backward megakernel combine (waiting for every rank to push its input gradients)",
     SITE_SETTINGS: "settings exchange of the first call with these settings (every rank compares its "
                    "MoKConfig, sizes, dtype and backend)",
     SITE_WORKSPACE: "workspace creation (every rank agrees on the token capacity)",

@@ -264,9 +264,10 @@ def backward_exports():
     lib = load_library()
     return lib, {
         "tables": lib.function("mok_megakernel_backward_tables", _i,
-                               [_v, _i, _i, _i, _i, _i, _i, _i, _i, _i, _v, _i64, _v]),
+                               [_v, _i, _i, _i, _i, _i, _i, _i, _i, _i, _i, _v, _i64, _v]),
         "sizes": lib.function("mok_megakernel_backward_plan_sizes", _i, [_v, _i64, _v]),
         "item": lib.function("mok_megakernel_backward_plan_item", _i, [_i, _i, _v, _i64, _v, _i]),
+        "ring_rows": lib.function("mok_megakernel_training_ring_rows_of", _i, [_v, _i, _i64, _v, _v, _i64]),
     }
 
 
@@ -277,16 +278,18 @@ def _bwd_error(lib, code: int, what: str) -> None:
 
 
 def backward_plan(expert_blocks: Sequence[int], mb: int, slots: int, unit: int, n_keep: int, h_cols: int,
-                  i_cols: int, strip: int = 4, group: int = 8) -> BackwardPlan:
+                  i_cols: int, strip: int = 4, group: int = 8, pairs: bool = False) -> BackwardPlan:
     """The library's backward plan for experts of ``expert_blocks`` row blocks (the kernel's
-    tables, built by mok_megakernel_backward_tables), and its queue sizes."""
+    tables, built by mok_megakernel_backward_tables, in clusters of two with ``pairs``), and its
+    queue sizes."""
     lib, fns = backward_exports()
     blocks = (ctypes.c_int32 * max(len(expert_blocks), 1))(*[int(b) for b in expert_blocks])
-    args = (blocks, len(expert_blocks), mb, slots, unit, n_keep, h_cols, i_cols, strip, group)
+    args = (blocks, len(expert_blocks), mb, slots, unit, n_keep, h_cols, i_cols, strip, group, int(pairs))
+    build = fns["tables"]
     need = ctypes.c_int64()
-    _bwd_error(lib, fns["tables"](*args, None, 0, ctypes.byref(need)), f"backward tables {args[2:]}")
+    _bwd_error(lib, build(*args, None, 0, ctypes.byref(need)), f"backward tables {args[2:]}")
     tables = (ctypes.c_int32 * need.value)()
-    _bwd_error(lib, fns["tables"](*args, tables, need.value, ctypes.byref(need)), "backward tables")
+    _bwd_error(lib, build(*args, tables, need.value, ctypes.byref(need)), "backward tables")
     out = (ctypes.c_int64 * len(BWD_SIZES))()
     _bwd_error(lib, fns["sizes"](tables, need.value, out), "backward plan sizes")
     return BackwardPlan(tables, need.value, dict(zip(BWD_SIZES, (int(v) for v in out))))
@@ -346,9 +349,53 @@ def backward_expected_items(expert_blocks: Sequence[int], unit: int, n_keep: int
     return keys
 
 
+def backward_pair_partner(block: int, n_blocks: int, mb: int) -> Optional[int]:
+    """The second block of the backward pair tile whose first block is ``block``, computed here:
+    block + 1 when it lies in the same minibatch (every sweep's pairs start at an even offset from
+    a start inside the minibatch and run to its end), else None."""
+    end = min((block // mb + 1) * mb, n_blocks)
+    return block + 1 if block + 1 < end else None
+
+
+def backward_pair_tiles(expert_blocks: Sequence[int], mb: int, slots: int, unit: int, n_keep: int, h_cols: int,
+                        i_cols: int, strip: int = 4, group: int = 8) -> List[List[BwdItem]]:
+    """The pair-mode compute queue of the library as [[the tiles the cluster runs]]: for R, D2 and
+    D1 the single-CTA plan's items of the pair's first block and (if any) its second, for W the
+    strip alone (both CTAs run it). Asserts that each pair item waits for and signals exactly what
+    its tiles do, first block first."""
+    args = (expert_blocks, mb, slots, unit, n_keep, h_cols, i_cols, strip, group)
+    single = {it.key: it for it in backward_queue(backward_plan(*args), "compute")}
+    n_blocks = sum(expert_blocks)
+    out = []
+    for it in backward_queue(backward_plan(*args, pairs=True), "compute"):
+        tiles = [single[it.key]]
+        second = None if it.kind == "W" else backward_pair_partner(it.block, n_blocks, mb)
+        if second is not None:
+            tiles.append(single[(it.kind, second, it.col)])
+        assert it.waits == sum((t.waits for t in tiles), ()), (it, tiles)
+        assert it.signals == sum((t.signals for t in tiles), ()), (it, tiles)
+        assert it._replace(waits=(), signals=()) == tiles[0]._replace(waits=(), signals=()), (it, tiles[0])
+        out.append(tiles)
+    return out
+
+
+def training_ring_rows_of(counts: Sequence[int], ring_rows: int):
+    """The library's training-ring rows (mok_megakernel_training_ring_rows_of): (N_keep,
+    [(first ring row, halves)] of every queue block)."""
+    lib, fns = backward_exports()
+    n_blocks = sum(-(-int(c) // 128) for c in counts)
+    arr = (ctypes.c_int32 * max(len(counts), 1))(*[int(c) for c in counts])
+    out = (ctypes.c_int32 * max(2 * n_blocks, 1))()
+    keep = ctypes.c_int32()
+    _bwd_error(lib, fns["ring_rows"](arr, len(counts), ring_rows, ctypes.byref(keep), out, 2 * n_blocks),
+               f"training ring rows {list(counts)} {ring_rows}")
+    return keep.value, [(out[2 * b], out[2 * b + 1]) for b in range(n_blocks)]
+
+
 def simulate_backward(expert_blocks: Sequence[int], mb: int, slots: int, unit: int, n_keep: int, h_cols: int,
                       i_cols: int, comm_workers: int, compute_workers: int, lookahead: int, seed: int,
-                      strip: int = 4, group: int = 8, stats: Optional[Dict[str, int]] = None) -> Optional[str]:
+                      strip: int = 4, group: int = 8, stats: Optional[Dict[str, int]] = None,
+                      pairs: bool = False) -> Optional[str]:
     """Replay the backward megakernel's protocol with the library's plan: workers take queue items
     in order, hold each until the counter targets of its waits are met, and bump the counters its
     signals name. Returns None when every item ran, else a description of the deadlock (no worker
@@ -368,10 +415,21 @@ def simulate_backward(expert_blocks: Sequence[int], mb: int, slots: int, unit: i
     D2 tile of its unit); R only for replayed blocks; a block's items only while its slot holds it;
     a slot pulled again only after its occupant's D1 tiles and every W tile of its unit; carrying
     units touch each tile's carry in unit order (a unit's W tile after the previous carrying
-    unit's); every expected item ran. ``stats`` gets the pulls the helpers ran ("help")."""
+    unit's); every expected item ran. ``stats`` gets the pulls the helpers ran ("help").
+
+    With ``pairs`` every worker is a cluster of two CTAs (docs/training.md 2.6): a comm cluster's
+    CTAs pull parts each and join the compute queue together once the first-pull queue is empty;
+    a compute cluster takes the pair plan's items (:func:`backward_pair_tiles`), issues one once
+    the waits of both its tiles are met, and its consumers finish both together, each CTA's D2
+    tile into that CTA's staging buffer (a W strip, whose tiles both CTAs store, needs both
+    buffers empty); each CTA has its own offload crew and pull helper."""
     rng = random.Random(seed)
     plan = backward_plan(expert_blocks, mb, slots, unit, n_keep, h_cols, i_cols, strip, group)
     queues = {q: backward_queue(plan, q) for q in QUEUE_NAMES}
+    # Compute items as lists of tiles: one, or the tiles of a pair item.
+    queues["compute"] = (backward_pair_tiles(expert_blocks, mb, slots, unit, n_keep, h_cols, i_cols, strip, group)
+                         if pairs else [[it] for it in queues["compute"]])
+    width = 2 if pairs else 1
     n_blocks = sum(expert_blocks)
     parts = mk.constants().first_pull_parts
     units = backward_units(expert_blocks, unit)
@@ -440,49 +498,59 @@ def simulate_backward(expert_blocks: Sequence[int], mb: int, slots: int, unit: i
                     ("W", unit_of[b], j) in done for j in range(n_strips)):
                 del owner[s]
 
-    n_workers = compute_workers + comm_workers
-    producer = [None] * n_workers  # item a producer waits on
-    issued = [[] for _ in range(n_workers)]  # items issued, consumed in order
-    offload = [None] * n_workers  # D2 tile in the worker's staging buffer
-    helper = [None] * compute_workers  # pull a helper holds
-    first_item = [None] * comm_workers  # part a comm worker holds
+    n_workers = compute_workers + comm_workers  # clusters in pair mode
+    ctas = range(width)
+    producer = [None] * n_workers  # tiles a producer waits on
+    issued = [[] for _ in range(n_workers)]  # tiles issued, consumed in order
+    offload = [[None] * width for _ in range(n_workers)]  # D2 tile in each CTA's staging buffer
+    helper = {(w, r): None for w in range(compute_workers) for r in ctas}  # pull a CTA's helper holds
+    first_item = {(w, r): None for w in range(comm_workers) for r in ctas}  # part a comm CTA holds
     computing = [w < compute_workers for w in range(n_workers)]  # comm workers join when done pulling
     nxt = {q: 0 for q in QUEUE_NAMES}
-    total = sum(len(q) for q in queues.values())
+    total = sum(len(queues[q]) for q in ("first_pull", "pull")) + sum(len(t) for t in queues["compute"])
+
+    def buffers_free(w, tiles):
+        """The staging buffers the head tiles need are empty (D2: its CTA's; W: every CTA's)."""
+        if tiles[0].kind == "W":
+            return all(x is None for x in offload[w])
+        return all(offload[w][r] is None for r, t in enumerate(tiles) if t.kind == "D2")
+
     while len(done) < total:
         actions = []
         for w in range(comm_workers):
             if computing[compute_workers + w]:
                 continue
-            if first_item[w] is not None:
-                if ready(first_item[w]):
-                    actions.append(("run_first", w))
-            elif nxt["first_pull"] < len(queues["first_pull"]):
-                actions.append(("take_first", w))
-            else:
+            for r in ctas:
+                if first_item[(w, r)] is not None:
+                    if ready(first_item[(w, r)]):
+                        actions.append(("run_first", (w, r)))
+                elif nxt["first_pull"] < len(queues["first_pull"]):
+                    actions.append(("take_first", (w, r)))
+            if nxt["first_pull"] == len(queues["first_pull"]) and all(first_item[(w, r)] is None for r in ctas):
                 actions.append(("join", w))
-        for w in range(compute_workers):
-            if helper[w] is not None:
-                if ready(helper[w]):
-                    actions.append(("run_help", w))
+        for wr, held in helper.items():
+            if held is not None:
+                if ready(held):
+                    actions.append(("run_help", wr))
             elif nxt["first_pull"] < len(queues["first_pull"]) or nxt["pull"] < len(queues["pull"]):
-                actions.append(("take_help", w))
+                actions.append(("take_help", wr))
         for w in range(n_workers):
             if not computing[w]:
                 continue
             if producer[w] is None:
                 if nxt["compute"] < len(queues["compute"]) and len(issued[w]) < lookahead:
                     actions.append(("take_compute", w))
-            elif ready(producer[w]):
+            elif all(ready(t) for t in producer[w]):
                 actions.append(("issue", w))
-            if issued[w] and (issued[w][0].kind not in ("D2", "W") or offload[w] is None):
+            if issued[w] and buffers_free(w, issued[w][0]):
                 actions.append(("consume", w))
-            if offload[w] is not None:
-                actions.append(("offload", w))
+            for r in ctas:
+                if offload[w][r] is not None:
+                    actions.append(("offload", (w, r)))
         if not actions:
             return (f"deadlock with {len(done)} of {total} items done: helpers hold "
-                    f"{[h.key if h else None for h in helper]}, producers hold "
-                    f"{[p.key if p else None for p in producer]}, slots {owner}")
+                    f"{[h.key if h else None for h in helper.values()]}, producers hold "
+                    f"{[[t.key for t in p] if p else None for p in producer]}, slots {owner}")
         act, w = rng.choice(actions)
         if act == "take_first":
             first_item[w] = queues["first_pull"][nxt["first_pull"]]
@@ -507,18 +575,20 @@ def simulate_backward(expert_blocks: Sequence[int], mb: int, slots: int, unit: i
             producer[w] = queues["compute"][nxt["compute"]]
             nxt["compute"] += 1
         elif act == "issue":
-            start(producer[w])
+            for t in producer[w]:
+                start(t)
             issued[w].append(producer[w])
             producer[w] = None
         elif act == "consume":
-            item = issued[w].pop(0)
-            if item.kind == "D2":
-                offload[w] = item
-            else:
-                finish(item)
+            for r, t in enumerate(issued[w].pop(0)):
+                if t.kind == "D2":
+                    offload[w][r] = t
+                else:
+                    finish(t)
         else:
-            finish(offload[w])
-            offload[w] = None
+            cw, r = w
+            finish(offload[cw][r])
+            offload[cw][r] = None
     want = backward_expected_items(expert_blocks, unit, n_keep, h_cols, i_cols, strip)
     want |= {("pull_part", b, j) for b in range(nf) for j in range(parts)}
     want |= {("pull", b, 0) for b in range(nf, n_blocks)}

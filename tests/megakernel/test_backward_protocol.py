@@ -8,7 +8,10 @@ table of 2.5 gives it, all computed here from the doc rather than from the libra
 random interleavings over random expert sizes, minibatches, unit sizes (scaled down from 32) and
 kept prefixes; no item before its inputs, no slot reused early, carries in unit order, and no
 deadlock with S_b = unit + 2 * minibatch (nor with one slot fewer, the doc's bound); a ring
-shorter than a unit deadlocks, and the replica sees it.
+shorter than a unit deadlocks, and the replica sees it. Pair mode: the pair plan's queue from the
+doc, every pair item's waits and signals its two tiles', and the protocol with clusters of two.
+The training ring's compact rows (64-row halves in queue order, the kept prefix) against a
+computation here, and the backward's timeout sites against SITE_NAMES.
 """
 
 from __future__ import annotations
@@ -20,8 +23,14 @@ import pytest
 
 from megatron_mok.ops import megakernel as mk
 
+import re
+
+from megatron_mok import _build
+from megatron_mok.functional.faults import SITE_NAMES
+
 from .protocol import (BWD_ITEM_WORDS, QUEUE_NAMES, backward_expected_items, backward_exports, backward_item,
-                       backward_plan, backward_queue, backward_strips, backward_units, simulate_backward)
+                       backward_pair_partner, backward_pair_tiles, backward_plan, backward_queue, backward_strips,
+                       backward_units, simulate_backward, training_ring_rows_of)
 
 
 
@@ -182,14 +191,14 @@ def test_phase_tables_at_the_ep64_worst_case(use_lib):
 # ---- the C ABI --------------------------------------------------------------------------------
 
 def _tables_code(eb, mb=2, slots=6, unit=2, n_keep=0, h=1, i=1, strip=4, group=2, L=None, words=None,
-                 null_blocks=False, null_need=False):
+                 null_blocks=False, null_need=False, pairs=0):
     """Return code of mok_megakernel_backward_tables (sizing call, and building when words given)."""
     _, fns = backward_exports()
     blocks = (ctypes.c_int32 * max(len(eb), 1))(*eb)
     need = ctypes.c_int64()
     tables = (ctypes.c_int32 * 4096)() if words is not None else None
     return fns["tables"](None if null_blocks else blocks, len(eb) if L is None else L, mb, slots, unit, n_keep, h, i,
-                         strip, group, tables, words or 0, None if null_need else ctypes.byref(need))
+                         strip, group, pairs, tables, words or 0, None if null_need else ctypes.byref(need))
 
 
 def test_backward_c_abi_rejects_bad_arguments(use_lib):
@@ -249,8 +258,9 @@ def test_backward_protocol_never_deadlocks_and_respects_dependencies(use_lib, se
             assert simulate_backward(**args, slots=slots, seed=seed * 10 + replay) is None, (args, slots)
 
 
+@pytest.mark.parametrize("pairs", [False, True])
 @pytest.mark.parametrize("weaken", ["w_done", "carry_done", "gu_ready", "unit_ready"])
-def test_the_replica_catches_a_plan_without_a_wait(use_lib, monkeypatch, weaken):
+def test_the_replica_catches_a_plan_without_a_wait(use_lib, monkeypatch, weaken, pairs):
     """The replica's own checks (not the plan's counters) see an item run early when the plan
     drops one kind of wait: a slot pulled before its unit's W tiles, a carry touched out of unit
     order, D2 before its R tiles, W before its unit's D2 tiles."""
@@ -267,7 +277,7 @@ def test_the_replica_catches_a_plan_without_a_wait(use_lib, monkeypatch, weaken)
     for seed in range(40):
         args = _random_case(random.Random(5000 + seed))
         try:
-            simulate_backward(**args, slots=args["unit"] + 2 * args["mb"], seed=seed)
+            simulate_backward(**args, slots=args["unit"] + 2 * args["mb"], seed=seed, pairs=pairs)
         except AssertionError:
             caught += 1
     assert caught > 0
@@ -300,3 +310,190 @@ def test_a_ring_shorter_than_a_unit_deadlocks_and_the_replica_sees_it(use_lib, u
         result = simulate_backward([unit + seed, 1], mb, unit - 1, unit, seed % 3, 1, 1, comm_workers=1,
                                    compute_workers=2 + seed, lookahead=1 + seed % 3, seed=seed)
         assert result is not None and result.startswith("deadlock"), (unit, seed)
+
+
+# ---- pair mode --------------------------------------------------------------------------------
+
+def _pair_sweep(kind, blocks, cols, group):
+    """Pair tiles of `blocks` (first + 2j, first + 2j + 1) with `cols` columns: groups of group / 2
+    pairs, column by column inside; each keyed by the pair's first block."""
+    firsts = blocks[::2]
+    g = group // 2
+    return [(kind, b, c) for k in range(0, len(firsts), g) for c in range(cols) for b in firsts[k:k + g]]
+
+
+def expected_pair_compute_queue(expert_blocks, mb, unit, n_keep, h, i, strip, group):
+    """The pair-mode compute queue of docs/training.md 2.4 and 2.6: the single queue's phases, R, D2
+    and D1 swept in pair tiles, W strips unchanged."""
+    n = sum(expert_blocks)
+    n_mb = -(-n // mb)
+    units = backward_units(expert_blocks, unit)
+    strips = len(backward_strips(h, i, strip))
+
+    def R(m):
+        return _pair_sweep("R", [b for b in _minibatch(n, mb, m) if b >= n_keep], 2 * i, group)
+
+    def W(m):
+        return [("W", u, j) for u, r in enumerate(units) if r[-1] // mb == m for j in range(strips)]
+
+    q = R(0)
+    for k in range(n_mb + 1):
+        q += (_pair_sweep("D1", _minibatch(n, mb, k - 1), h, group) + W(k - 1) + R(k + 1)
+              + _pair_sweep("D2", _minibatch(n, mb, k), i, group))
+    return q
+
+
+@pytest.mark.parametrize("case", PLAN_CASES)
+@pytest.mark.parametrize("shrink", [0, 1])
+def test_pair_plan_is_the_single_plan_in_pair_tiles(use_lib, case, shrink):
+    """Every item of the single plan exactly once (a pair counts as its two tiles), in the doc's
+    order of pair tiles; each pair item waits for both tiles' waits and signals both tiles'
+    signals (backward_pair_tiles asserts it against the single plan, whose waits the test above
+    checks against the doc); the pulls are the single plan's."""
+    eb, mb, unit, n_keep, h, i, strip, group = case
+    slots = unit + 2 * mb - shrink
+    plan = backward_plan(eb, mb, slots, unit, n_keep, h, i, strip, group, pairs=True)
+    single = backward_plan(eb, mb, slots, unit, n_keep, h, i, strip, group)
+    compute = backward_queue(plan, "compute")
+    assert [it.key for it in compute] == expected_pair_compute_queue(eb, mb, unit, n_keep, h, i, strip, group)
+    tiles = backward_pair_tiles(eb, mb, slots, unit, n_keep, h, i, strip, group)
+    keys = [t.key for pair in tiles for t in pair]
+    assert len(keys) == len(set(keys)) and set(keys) == backward_expected_items(eb, unit, n_keep, h, i, strip)
+    for pair in tiles:
+        if len(pair) == 2:
+            assert pair[1].block == pair[0].block + 1 and pair[1].block // mb == pair[0].block // mb
+        elif pair[0].kind != "W":
+            assert backward_pair_partner(pair[0].block, sum(eb), mb) is None
+    for q in ("pull", "first_pull"):
+        assert backward_queue(plan, q) == backward_queue(single, q)
+    assert {k: v for k, v in plan.sizes.items() if k != "compute"} == {
+        k: v for k, v in single.sizes.items() if k != "compute"}
+    with pytest.raises(mk.MegakernelArgumentError):
+        backward_item(plan, "compute", plan.sizes["compute"])
+
+
+def test_pair_tables_export(use_lib):
+    """pairs outside 0, 1 are refused; pair mode has fewer compute positions; a header whose pairs
+    word is not 0 or 1 is refused."""
+    _, fns = backward_exports()
+    eb = (ctypes.c_int32 * 3)(5, 0, 7)
+    args = (eb, 3, 2, 6, 2, 4, 2, 1, 4, 2)
+    need = ctypes.c_int64()
+    b = (ctypes.c_int32 * 256)()
+    for pairs in (0, 1):
+        assert fns["tables"](*args, pairs, b, 256, ctypes.byref(need)) == 0
+    for pairs in (-1, 2):
+        assert fns["tables"](*args, pairs, b, 256, ctypes.byref(need)) == -1
+    plan = backward_plan([5, 0, 7], 2, 6, 2, 4, 2, 1, 4, 2, pairs=True)
+    assert plan.sizes["compute"] < backward_plan([5, 0, 7], 2, 6, 2, 4, 2, 1, 4, 2).sizes["compute"]
+    bad = (ctypes.c_int32 * plan.words)(*plan.tables)
+    bad[11] = 2  # the pairs word follows the sizes
+    assert fns["sizes"](bad, plan.words, (ctypes.c_int64 * 8)()) == -1
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_pair_protocol_never_deadlocks_and_respects_dependencies(use_lib, seed):
+    """Clusters of two at S_b = unit + 2 * minibatch and one slot fewer, over random layouts."""
+    args = _random_case(random.Random(7000 + seed))
+    args["group"] = max(args["group"], 2)
+    for shrink in (0, 1):
+        slots = args["unit"] + 2 * args["mb"] - shrink
+        for replay in range(2):
+            assert simulate_backward(**args, slots=slots, seed=seed * 10 + replay, pairs=True) is None, (args, slots)
+
+
+def test_pair_protocol_hot_expert_every_row_replayed(use_lib):
+    for workers, seed in ((1, 0), (2, 1), (5, 2)):
+        assert simulate_backward([27], 2, 4 + 4 - 1, 4, 0, 2, 1, comm_workers=1, compute_workers=workers,
+                                 lookahead=2, seed=seed, strip=3, group=2, pairs=True) is None
+
+
+@pytest.mark.parametrize("unit", [2, 3, 5])
+def test_a_ring_shorter_than_a_unit_deadlocks_in_pairs_too(use_lib, unit):
+    for seed in range(3):
+        result = simulate_backward([unit + seed, 1], 1 + seed % 2, unit - 1, unit, seed % 3, 1, 1, comm_workers=1,
+                                   compute_workers=2 + seed, lookahead=1 + seed % 3, seed=seed, pairs=True)
+        assert result is not None and result.startswith("deadlock"), (unit, seed)
+
+
+# ---- the training ring's compact rows ---------------------------------------------------------
+
+def expected_ring_rows(counts, ring_rows):
+    """(N_keep, [(first ring row, halves)] per queue block), computed here: each expert's queue
+    blocks stand for its layout blocks front, back, front, ... (plan.cuh's zigzag); a layout block
+    holds min(128, rows left) real rows and takes ceil(real / 64) halves; blocks take ring rows in
+    queue order; N_keep is the longest prefix whose rows fit."""
+    out, row = [], 0
+    for c in counts:
+        n = -(-c // 128)
+        for j in range(n):
+            layout = j // 2 if j % 2 == 0 else n - 1 - j // 2
+            halves = -(-min(128, c - 128 * layout) // 64)
+            out.append((row, halves))
+            row += 64 * halves
+    keep = 0
+    while keep < len(out) and out[keep][0] + 64 * out[keep][1] <= ring_rows:
+        keep += 1
+    return keep, out
+
+
+EDGE_ROWS = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 383, 385]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_training_ring_rows_are_compact_halves_in_queue_order(use_lib, seed):
+    rng = random.Random(9000 + seed)
+    counts = [rng.choice(EDGE_ROWS + [rng.randint(0, 2000)]) for _ in range(rng.randint(1, 9))]
+    total = sum(-(-c // 64) * 64 for c in counts)
+    rings = {0, 63, 64, 127, 128, total, total - 64, total + 64, rng.randint(0, total + 1)} | {
+        rng.randint(0, total) for _ in range(6)}
+    for ring in sorted(r for r in rings if r >= 0):
+        keep, rows = training_ring_rows_of(counts, ring)
+        assert (keep, rows) == expected_ring_rows(counts, ring), (counts, ring)
+    # An expert of n rows takes ceil(n / 64) * 64 ring rows, from its compact offset.
+    _, rows = training_ring_rows_of(counts, total)
+    b = offset = 0
+    for c in counts:
+        n = -(-c // 128)
+        if n:
+            assert rows[b][0] == offset and sum(64 * h for _, h in rows[b:b + n]) == -(-c // 64) * 64
+        b, offset = b + n, offset + -(-c // 64) * 64
+
+
+def test_training_ring_rows_of_each_edge_size(use_lib):
+    for c in EDGE_ROWS:
+        for ring in range(0, -(-c // 64) * 64 + 129, 32):
+            assert training_ring_rows_of([c, 1, c], ring) == expected_ring_rows([c, 1, c], ring), (c, ring)
+    # The partial block sits at queue position 1: 129 rows = blocks of 2 and 1 halves, 192 ring rows.
+    assert training_ring_rows_of([129], 1000) == (2, [(0, 2), (128, 1)])
+    assert training_ring_rows_of([300], 1000) == (3, [(0, 2), (128, 1), (192, 2)])
+    assert training_ring_rows_of([300], 191) == (1, [(0, 2), (128, 1), (192, 2)])
+    assert training_ring_rows_of([300], 192)[0] == 2
+
+
+def test_training_ring_rows_of_rejects_bad_arguments(use_lib):
+    _, fns = backward_exports()
+    counts = (ctypes.c_int32 * 2)(130, 5)
+    keep, out = ctypes.c_int32(), (ctypes.c_int32 * 6)()
+    assert fns["ring_rows"](counts, 2, 100, ctypes.byref(keep), out, 6) == 0 and keep.value == 0
+    assert fns["ring_rows"](counts, 2, 100, ctypes.byref(keep), out, 5) == -1  # out too short
+    assert fns["ring_rows"](counts, 2, -1, ctypes.byref(keep), out, 6) == -1
+    assert fns["ring_rows"](counts, 0, 100, ctypes.byref(keep), out, 6) == -1
+    assert fns["ring_rows"](None, 2, 100, ctypes.byref(keep), out, 6) == -1
+    assert fns["ring_rows"](counts, 2, 100, None, out, 6) == -1
+    assert fns["ring_rows"](counts, 2, 100, ctypes.byref(keep), None, 6) == -1
+    assert fns["ring_rows"]((ctypes.c_int32 * 1)(-1), 1, 100, ctypes.byref(keep), out, 6) == -1
+
+
+# ---- timeout sites ----------------------------------------------------------------------------
+
+def test_megakernel_sites_have_names_and_the_backward_takes_12_to_18():
+    """Every MOK_SITE_MK_* of csrc/include/mok/megakernel.h has a SITE_NAMES entry; 12-18 are the
+    backward megakernel's (docs/training.md 2.5)."""
+    text = (_build.CSRC_DIR / "include" / "mok" / "megakernel.h").read_text()
+    body = re.search(r"enum MokMegakernelSite \{(.*?)\};", text, re.S).group(1)
+    sites = {name: int(v) for name, v in re.findall(r"(MOK_SITE_MK_\w+)\s*=\s*(\d+)", body)}
+    assert sites and all(v in SITE_NAMES for v in sites.values()), sites
+    assert len(set(sites.values())) == len(sites)
+    assert sorted(v for v in sites.values() if v >= 12) == list(range(12, 19))
+    assert all("backward megakernel" in SITE_NAMES[v] for v in range(12, 19))

@@ -140,13 +140,28 @@ MOK_API int mok_megakernel_plan_item(int queue, int index, int n_blocks, int mb_
 // minibatches of mb_blocks blocks, `slots` backward slots, units of up to unit_blocks blocks of
 // one expert (32 in the kernel), blocks below n_keep kept (the rest replayed), h_cols = H / 256,
 // i_cols = I / 256, W strips of up to strip_tiles tiles (4 in the kernel; at most 8) and column
-// sweeps over group_blocks blocks (even, 2 to 64). Writes the int32 words the tables take into
+// sweeps over group_blocks blocks (even, 2 to 64), in single CTAs (pairs = 0) or clusters of two
+// (pairs = 1: an R, D2 or D1 item is a pair tile, the same column of two consecutive blocks of its
+// sweep, row block and row block + 1 when both lie in its minibatch, else the first alone, whose
+// waits and signals are the first block's, then the second's; a W item is still one strip, whose
+// tiles the cluster's CTAs take alternately). Writes the int32 words the tables take into
 // *words_needed and, when `tables` is not null, the tables (words at least that many). Returns
-// MOK_OK, or MOK_ERR_INVALID_ARGUMENT for sizes out of range (or past int32 positions).
+// MOK_OK, or MOK_ERR_INVALID_ARGUMENT for sizes out of range (or past int32 positions) or pairs
+// other than 0 or 1.
 MOK_API int mok_megakernel_backward_tables(const int32_t* expert_blocks, int L, int mb_blocks, int slots,
                                            int unit_blocks, int n_keep, int h_cols, int i_cols, int strip_tiles,
-                                           int group_blocks, int32_t* tables, int64_t words,
+                                           int group_blocks, int pairs, int32_t* tables, int64_t words,
                                            int64_t* words_needed);
+
+// The training ring's compact rows (docs/training.md section 3): kept rows stored by 64-row halves
+// in queue order, each block taking the halves that hold a real row (an expert of n rows takes
+// ceil(n / 64) * 64 ring rows). For local experts that received counts[0 .. L) rows and a ring of
+// ring_rows rows: *n_keep = the largest prefix of queue blocks whose rows fit; out[2b] = the first
+// ring row of block b and out[2b + 1] its halves (1 or 2), for every one of the n_blocks = sum of
+// ceil(counts[l] / 128) blocks (out_len at least 2 * n_blocks; blocks at or past *n_keep would
+// continue past the ring's end). Returns MOK_OK or MOK_ERR_INVALID_ARGUMENT. No CUDA call.
+MOK_API int mok_megakernel_training_ring_rows_of(const int32_t* counts, int L, int64_t ring_rows, int32_t* n_keep,
+                                                 int32_t* out, int64_t out_len);
 
 // Sizes of the backward plan whose tables (`words` int32) mok_megakernel_backward_tables built:
 // out[0..7] = items of the compute, pull and first-pull queues, units, minibatches,
@@ -193,10 +208,18 @@ MOK_API int mok_megakernel_launch_shape(int64_t comm_ctas, int64_t num_ctas, int
 MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t stream);
 
 // Timeout sites of the megakernel's waits (MOK_STATUS_WHERE); 1-4 are the cuda backend's
-// barriers, 5-6 the megakernel backward's extra barriers (Python side).
+// barriers, 5-6 the megakernel backward's extra barriers (Python side). 12-18 are the backward
+// megakernel's waits (docs/training.md 2.5).
 enum MokMegakernelSite {
   MOK_SITE_MK_FC1_WAITS_PULL = 7,
   MOK_SITE_MK_FC2_WAITS_FC1 = 8,
   MOK_SITE_MK_PULL_WAITS_SLOT = 10,  // (9 is unused)
   MOK_SITE_MK_COMBINE_DONE = 11,
+  MOK_SITE_MK_D2_WAITS_DY = 12,          // D2: its block's dY rows (and a replayed block's gate|up)
+  MOK_SITE_MK_R_WAITS_PULL = 13,         // R: its block's pulled rows
+  MOK_SITE_MK_D1_WAITS_D2 = 14,          // D1: its block's dgu (every D2 tile's offload)
+  MOK_SITE_MK_W_WAITS_UNIT = 15,         // W: every D2 tile's offload of its unit
+  MOK_SITE_MK_BWD_PULL_WAITS_SLOT = 16,  // backward pull: the slot's previous block's D1 and W tiles
+  MOK_SITE_MK_W_WAITS_CARRY = 17,        // W: the previous carrying unit's carry of its tiles
+  MOK_SITE_MK_BWD_COMBINE_DONE = 18,     // backward: every rank's combine-done flag (names the peer)
 };

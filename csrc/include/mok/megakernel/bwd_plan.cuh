@@ -25,6 +25,17 @@
 //               blocks, as the forward's tiles.
 // The tables (unit starts, carry ranks, phase starts, units per minibatch) are int32 words built
 // by build_bwd_tables, headed by the sizes, so that a plan is one pointer.
+// Pair mode (clusters of two CTAs, as the forward's, plan.cuh): an R, D2 or D1 position is a pair
+// tile, the same column of two consecutive blocks of the sweep (first + 2j, first + 2j + 1 of the
+// minibatch's blocks, or of its replayed ones for R; an odd last block is a pair of its own), CTA
+// r on block + r with the weight boxes multicast; a sweep group holds group_blocks / 2 pairs. A W
+// position is still one strip: CTA r takes its tiles first_tile + r, first_tile + r + 2, ... (the
+// tiles (m, n), (m + 1, n) side by side, the B operand multicast). A pair item waits for the union
+// of both blocks' waits and signals both blocks' signals; each CTA waits and signals for its own.
+//
+// The training ring (docs/training.md section 3) stores the kept blocks' rows compactly by 64-row
+// halves, in queue order: each block takes the halves that hold a real row, so an expert of n rows
+// takes ceil(n / 64) * 64 ring rows. The kept blocks are the largest queue prefix that fits.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +50,7 @@ constexpr int kWgradStripTiles = 4;   // weight-gradient tiles of a W strip in t
 constexpr int kMaxStripTiles = 8;     // bound on strip_tiles (sizes the wait and signal lists)
 constexpr int kMaxBwdWaits = 1 + kMaxStripTiles;    // W: unit_ready + one carry per tile
 constexpr int kMaxBwdSignals = 1 + kMaxStripTiles;  // W: w_done + one carry per tile
+static_assert(kMaxBwdWaits >= 4 && kMaxBwdSignals >= 4, "a pair D2 tile waits for and signals 2 per block");
 
 // Backward compute kinds continue the forward's (plan.cuh: 1 fc1, 2 fc2, 3 pull, 5 the trace's CTA
 // record, 6 part); pulls keep the forward's kinds.
@@ -60,7 +72,7 @@ enum BwdCounter : int32_t {
 // Header words of the plan tables; the arrays follow.
 enum BwdTableHeader : int32_t {
   kTabBlocks = 0, kTabMbBlocks, kTabSlots, kTabUnitBlocks, kTabKeep, kTabHCols, kTabICols,
-  kTabStripTiles, kTabGroupBlocks, kTabUnits, kTabMinibatches, kTabHeaderWords,
+  kTabStripTiles, kTabGroupBlocks, kTabUnits, kTabMinibatches, kTabPairs, kTabHeaderWords,
 };
 
 struct BwdPlan {
@@ -79,6 +91,7 @@ struct BwdPlan {
   const int32_t* unit_carry;   // [n_units]: c(u), carrying units before u, or -1 when u does not carry
   const int32_t* phase_start;  // [n_mb + 3]: position of R(0) (0), of phase k at k + 1, then the end
   const int32_t* w_units;      // [n_mb + 1]: first unit whose last block is in minibatch m, then n_units
+  int pairs;                   // 1: pair mode (R, D2, D1 positions are pair tiles), else 0
 };
 
 struct BwdItem {
@@ -148,6 +161,7 @@ MOK_HD BwdPlan bwd_plan_of(const int32_t* tab) {
   p.group_blocks = tab[kTabGroupBlocks];
   p.n_units = tab[kTabUnits];
   p.n_mb = tab[kTabMinibatches];
+  p.pairs = tab[kTabPairs];
   p.unit_start = tab + kTabHeaderWords;
   p.unit_carry = p.unit_start + p.n_units + 1;
   p.phase_start = p.unit_carry + p.n_units;
@@ -163,11 +177,20 @@ MOK_HD int mb_replay_first(const BwdPlan& p, int m) {
 }
 MOK_HD int mb_replayed(const BwdPlan& p, int m) { return mb_first(p, m) + mb_size(p, m) - mb_replay_first(p, m); }
 
+// Tile units of a sweep over nb blocks: the blocks, or in pair mode their pairs.
+MOK_HD int sweep_units(const BwdPlan& p, int nb) { return p.pairs ? (nb + 1) / 2 : nb; }
+
 // Items of each part of the compute queue for minibatch m (0 outside 0 .. n_mb - 1).
 MOK_HD bool mb_valid(const BwdPlan& p, int m) { return m >= 0 && m < p.n_mb; }
-MOK_HD int r_items(const BwdPlan& p, int m) { return mb_valid(p, m) ? mb_replayed(p, m) * r_cols(p) : 0; }
-MOK_HD int d2_items(const BwdPlan& p, int m) { return mb_valid(p, m) ? mb_size(p, m) * d2_cols(p) : 0; }
-MOK_HD int d1_items(const BwdPlan& p, int m) { return mb_valid(p, m) ? mb_size(p, m) * d1_cols(p) : 0; }
+MOK_HD int r_items(const BwdPlan& p, int m) {
+  return mb_valid(p, m) ? sweep_units(p, mb_replayed(p, m)) * r_cols(p) : 0;
+}
+MOK_HD int d2_items(const BwdPlan& p, int m) {
+  return mb_valid(p, m) ? sweep_units(p, mb_size(p, m)) * d2_cols(p) : 0;
+}
+MOK_HD int d1_items(const BwdPlan& p, int m) {
+  return mb_valid(p, m) ? sweep_units(p, mb_size(p, m)) * d1_cols(p) : 0;
+}
 MOK_HD int w_items(const BwdPlan& p, int m) {
   return mb_valid(p, m) ? (p.w_units[m + 1] - p.w_units[m]) * w_strips(p) : 0;
 }
@@ -178,9 +201,10 @@ MOK_HD int phase_items(const BwdPlan& p, int k) {
 }
 
 // Fills the plan tables `tab` (bwd_table_words words) for experts of expert_blocks[0 .. L) row
-// blocks, one thread (the reset kernel's, or the host). Sizes as in BwdPlan.
+// blocks, one thread (the reset kernel's, or the host). Sizes as in BwdPlan; pairs 0 or 1.
 MOK_HD void build_bwd_tables(const int32_t* expert_blocks, int L, int mb_blocks, int slots, int unit_blocks,
-                             int n_keep, int h_cols, int i_cols, int strip_tiles, int group_blocks, int32_t* tab) {
+                             int n_keep, int h_cols, int i_cols, int strip_tiles, int group_blocks, int pairs,
+                             int32_t* tab) {
   int n_blocks = 0;
   for (int l = 0; l < L; ++l) n_blocks += expert_blocks[l];
   tab[kTabBlocks] = n_blocks;
@@ -194,6 +218,7 @@ MOK_HD void build_bwd_tables(const int32_t* expert_blocks, int L, int mb_blocks,
   tab[kTabGroupBlocks] = group_blocks;
   tab[kTabUnits] = count_units(expert_blocks, L, unit_blocks);
   tab[kTabMinibatches] = div_up(n_blocks, mb_blocks);
+  tab[kTabPairs] = pairs;
   BwdPlan p = bwd_plan_of(tab);
   int32_t* unit_start = tab + kTabHeaderWords;
   int32_t* unit_carry = unit_start + p.n_units + 1;
@@ -247,15 +272,17 @@ MOK_HD int unit_of(const BwdPlan& p, int b) {
 MOK_HD int unit_size(const BwdPlan& p, int u) { return p.unit_start[u + 1] - p.unit_start[u]; }
 
 // Item idx of the tiles of blocks [first, first + nb) with `cols` columns: groups of
-// group_blocks blocks, column by column inside a group.
+// group_blocks blocks (half as many pairs), column by column inside a group. In pair mode the
+// item's block is the pair's first block.
 MOK_HD BwdItem bwd_sweep_item(const BwdPlan& p, int32_t kind, int first, int nb, int cols, int idx) {
-  const int group = idx / (p.group_blocks * cols);
-  const int in_group = idx - group * p.group_blocks * cols;
-  const int in_this = imin(nb - group * p.group_blocks, p.group_blocks);
+  const int group_units = p.pairs ? p.group_blocks / 2 : p.group_blocks;
+  const int group = idx / (group_units * cols);
+  const int in_group = idx - group * group_units * cols;
+  const int in_this = imin(sweep_units(p, nb) - group * group_units, group_units);
   BwdItem it;
   it.kind = kind;
   it.col = in_group / in_this;
-  it.block = first + group * p.group_blocks + in_group % in_this;
+  it.block = first + (group * group_units + in_group % in_this) * (p.pairs ? 2 : 1);
   it.unit = unit_of(p, it.block);
   it.first_tile = 0;
   it.tiles = 0;
@@ -334,8 +361,26 @@ MOK_HD int replayed_occupants(const BwdPlan& p, int s, int g) {
   return imax(0, g - first_g + 1);
 }
 
-// The waits of an item into out[0 .. kMaxBwdWaits); returns how many.
-MOK_HD int bwd_waits(const BwdPlan& p, const BwdItem& it, BwdWait* out) {
+// Pair mode: the second block of the pair tile `it` (R, D2, D1), or -1 when it has none (the odd
+// last block of its minibatch, single CTAs, or another kind). Every sweep's pairs start at an
+// even offset from a start inside the minibatch and end at its end, so block + 1 is the partner
+// whenever it is in the minibatch.
+MOK_HD int bwd_pair_second(const BwdPlan& p, const BwdItem& it) {
+  if (!p.pairs || (it.kind != kBwdR && it.kind != kBwdD2 && it.kind != kBwdD1)) return -1;
+  const int m = it.block / p.mb_blocks;
+  return it.block + 1 < mb_first(p, m) + mb_size(p, m) ? it.block + 1 : -1;
+}
+
+// The tile of `it` that the pair's second CTA runs on block `second`.
+MOK_HD BwdItem bwd_second_tile(const BwdPlan& p, const BwdItem& it, int second) {
+  BwdItem t = it;
+  t.block = second;
+  t.unit = unit_of(p, second);
+  return t;
+}
+
+// The waits of one CTA's tile (a single CTA's item) into out; returns how many.
+MOK_HD int bwd_tile_waits(const BwdPlan& p, const BwdItem& it, BwdWait* out) {
   const int s = it.block % p.slots, g = bwd_generation(p, it.block);
   int n = 0;
   switch (it.kind) {
@@ -369,8 +414,16 @@ MOK_HD int bwd_waits(const BwdPlan& p, const BwdItem& it, BwdWait* out) {
   return n;
 }
 
-// The signals of an item (D2's: its offload crew's) into out[0 .. kMaxBwdSignals); returns how many.
-MOK_HD int bwd_signals(const BwdPlan& p, const BwdItem& it, BwdSignal* out) {
+// The waits of an item into out[0 .. kMaxBwdWaits); returns how many. A pair tile: its first
+// block's waits, then its second block's.
+MOK_HD int bwd_waits(const BwdPlan& p, const BwdItem& it, BwdWait* out) {
+  const int n = bwd_tile_waits(p, it, out);
+  const int second = bwd_pair_second(p, it);
+  return second < 0 ? n : n + bwd_tile_waits(p, bwd_second_tile(p, it, second), out + n);
+}
+
+// The signals of one CTA's tile (D2's: its offload crew's) into out; returns how many.
+MOK_HD int bwd_tile_signals(const BwdPlan& p, const BwdItem& it, BwdSignal* out) {
   const int s = it.block % p.slots;
   int n = 0;
   switch (it.kind) {
@@ -391,6 +444,65 @@ MOK_HD int bwd_signals(const BwdPlan& p, const BwdItem& it, BwdSignal* out) {
       break;
   }
   return n;
+}
+
+// The signals of an item into out[0 .. kMaxBwdSignals); returns how many. A pair tile: its first
+// block's signals, then its second block's.
+MOK_HD int bwd_signals(const BwdPlan& p, const BwdItem& it, BwdSignal* out) {
+  const int n = bwd_tile_signals(p, it, out);
+  const int second = bwd_pair_second(p, it);
+  return second < 0 ? n : n + bwd_tile_signals(p, bwd_second_tile(p, it, second), out + n);
+}
+
+// ---- the training ring's compact rows -----------------------------------------------------------
+
+constexpr int kHalfRows = kBlockRows / 2;  // rows of a half block, the training ring's unit
+
+// Queue position (within its expert) of an expert's last layout block, the only one that may hold
+// fewer than 128 real rows: zigzag (plan.cuh) puts it second when the expert has two blocks or more.
+MOK_HD int partial_position(int n_blocks) { return n_blocks >= 2 ? 1 : 0; }
+
+// Halves of an expert of `rows` rows that its last layout block takes (1 or 2; 0 when empty).
+MOK_HD int last_block_halves(int rows) {
+  return rows <= 0 ? 0 : div_up(rows - (div_up(rows, kBlockRows) - 1) * kBlockRows, kHalfRows);
+}
+
+// Ring rows that the first j queue blocks of an expert of `rows` rows take: 128 each, 64 less when
+// the partial block is among them and holds one half. j = all its blocks gives ceil(rows / 64) * 64.
+MOK_HD int expert_compact_rows(int rows, int j) {
+  const int n = div_up(rows, kBlockRows);
+  return j * kBlockRows - (j > partial_position(n) ? (2 - last_block_halves(rows)) * kHalfRows : 0);
+}
+
+// Halves that queue block j of an expert of `rows` rows takes in the training ring (1 or 2).
+MOK_HD int compact_block_halves(int rows, int j) {
+  return (expert_compact_rows(rows, j + 1) - expert_compact_rows(rows, j)) / kHalfRows;
+}
+
+// The expert's queue blocks, of its first ones, that fit `avail` ring rows: the largest j <= n with
+// expert_compact_rows(rows, j) <= avail (each block takes 64 or 128 rows, so j = avail / 128 or one
+// more).
+MOK_HD int compact_blocks_fitting(int rows, int avail) {
+  const int n = div_up(rows, kBlockRows);
+  if (avail >= expert_compact_rows(rows, n)) return n;
+  const int j = avail / kBlockRows;
+  return j + 1 <= n && expert_compact_rows(rows, j + 1) <= avail ? j + 1 : j;
+}
+
+// N_keep: the largest queue prefix of blocks whose compact rows fit a training ring of ring_rows
+// rows, for experts of counts[0 .. L) rows (one thread: O(L)).
+MOK_HD int training_ring_keep(const int32_t* counts, int L, int64_t ring_rows) {
+  int keep = 0;
+  int64_t used = 0;
+  for (int l = 0; l < L; ++l) {
+    const int all = expert_compact_rows(counts[l], div_up(counts[l], kBlockRows));
+    if (used + all > ring_rows) {
+      return keep + compact_blocks_fitting(counts[l], (int)(ring_rows - used));
+    }
+    used += all;
+    keep += div_up(counts[l], kBlockRows);
+  }
+  return keep;
 }
 
 }  // namespace mega
