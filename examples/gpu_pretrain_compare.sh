@@ -22,7 +22,12 @@
 # "deepseek-v3 all-moe" runs each in turn), MOE_LAYERS and WEIGHTS_GB (60) for all-moe,
 # MOK_BACKEND (auto: the fastest MoK backend here; reference also works, slowly), DISPATCHERS
 # ("alltoall mok"; "mok" alone compares with an alltoall.log already in OUT_DIR/PROXY), LAUNCHER
-# (megatron_mok.pretrain_gpt: a module, or a .py script taking Megatron's pretrain_gpt flags).
+# (megatron_mok.pretrain_gpt: a module, or a .py script taking Megatron's pretrain_gpt flags),
+# SHARE (0; 1: each run goes through tools/perf/moe_step_share.py, which times every MoE layer's
+# forward and backward and Megatron's train_step with CUDA events, writes
+# OUT_DIR/PROXY/DISPATCHER.share.json and prints the MoE layers' share of the step, median after
+# SHARE_WARMUP iterations, default 5; the timed runs record four CUDA events per MoE layer per
+# microbatch, so compare step times of runs made alike).
 # Writes OUT_DIR/PROXY/{alltoall,mok}.log, prints a summary (per run: median step, tokens/s,
 # peak memory from Megatron's memory reports) and each proxy's loss-curve comparison; exits
 # non-zero when a run fails or the curves differ beyond bf16 noise.
@@ -48,6 +53,11 @@ for proxy in $proxies; do
 done
 launcher=${LAUNCHER:-megatron_mok.pretrain_gpt}
 if [[ $launcher == *.py ]]; then launcher_cmd=("$launcher"); else launcher_cmd=(-m "$launcher"); fi
+share=${SHARE:-0}
+case "$share" in
+  0|1) ;;
+  *) echo "gpu_pretrain_compare.sh: SHARE must be 0 or 1, not '$share'" >&2; exit 2 ;;
+esac
 config="$root/configs/proxy_deepseek_v3.args"
 experts_per_gpu=$(config_meta "$config" experts_per_gpu 8)
 experts=$(( experts_per_gpu * ngpus ))
@@ -139,16 +149,25 @@ for proxy in $proxies; do
     extra=$(dispatcher_flags "$dispatcher")
     [ "$dispatcher" = mok ] && extra="$extra --mok-backend ${MOK_BACKEND:-auto}"
     log="$out/$proxy/$dispatcher.log"
+    run_cmd=("${launcher_cmd[@]}")
+    if [ "$share" = 1 ]; then
+      # The same launcher and flags, run in-process by the instrument after its hooks are in place.
+      run_cmd=("$root/tools/perf/moe_step_share.py" --share-json "$out/$proxy/$dispatcher.share.json"
+               --share-warmup "${SHARE_WARMUP:-5}" --share-launcher "$launcher" --)
+    fi
     echo "=== $proxy, $dispatcher: $ngpus GPU(s), $experts experts, $iters iterations -> $log"
     start=$(date +%s)
     # shellcheck disable=SC2086
-    if ! "$py" -m torch.distributed.run --standalone --nproc-per-node "$ngpus" "${launcher_cmd[@]}" \
+    if ! "$py" -m torch.distributed.run --standalone --nproc-per-node "$ngpus" "${run_cmd[@]}" \
         "${common[@]}" "${proxy_flags[@]}" $extra > "$log" 2>&1; then
       echo "$proxy, $dispatcher run failed; last lines of $log:" >&2
       tail -n 40 "$log" >&2
       status=1
     fi
     echo "    wall time $(( $(date +%s) - start )) s"
+    if [ "$share" = 1 ]; then
+      sed -n "s/^moe_step_share: MoE layers/    $proxy, $dispatcher: moe_step_share: MoE layers/p" "$log"
+    fi
     runs+=("$proxy/$dispatcher")
   done
   if [[ " ${DISPATCHERS:-alltoall mok} " != *" alltoall "* ]] && [ -f "$out/$proxy/alltoall.log" ]; then

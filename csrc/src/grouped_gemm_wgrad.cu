@@ -14,7 +14,8 @@ using namespace mok::gemm;
 namespace {
 
 template <bool kTma>
-int weight_grad(const void* a, const void* b, const int32_t* offsets, void* out, int out_bf16,
+int weight_grad(const void* a, const void* b, const int32_t* offsets, const int32_t* counts,
+                void* out, const uint64_t* out_table, int out_bf16,
                 int accumulate, int64_t rows_cap, int L, int M, int N, int row0, int row1,
                 const float* carry_in, float* carry_out, int num_ctas, cudaStream_t stream) {
   using Cfg = WgradCfg<kTma>;
@@ -38,9 +39,10 @@ int weight_grad(const void* a, const void* b, const int32_t* offsets, void* out,
     p.epi.N = N;
     p.epi.carry_out = carry_out;
   } else {
-    p.epi = {out, out_bf16 ? 1 : 0, accumulate ? 1 : 0, M, N, carry_out};
+    p.epi = {out, out_table, out_bf16 ? 1 : 0, accumulate ? 1 : 0, M, N, carry_out};
   }
   p.offsets = offsets;
+  p.counts = counts;
   p.L = L;
   p.row0 = row0;
   p.row1 = row1;
@@ -55,12 +57,15 @@ bool overlap(const void* x, const void* y, size_t bytes) {
 
 }  // namespace
 
-MOK_API int mok_gemm_weight_grad(const void* a, const void* b, const int32_t* offsets, void* out,
-                                 int out_bf16, int accumulate, int tma_store, int64_t rows_cap,
-                                 int L, int M, int N, int64_t row0, int64_t row1,
+MOK_API int mok_gemm_weight_grad(const void* a, const void* b, const int32_t* offsets,
+                                 const int32_t* counts, void* out, const uint64_t* out_table,
+                                 int out_bf16, int accumulate, int tma_store, int64_t rows_cap, int L, int M, int N, int64_t row0, int64_t row1,
                                  const float* carry_in, float* carry_out, int num_ctas,
                                  cudaStream_t stream) {
-  MOK_REQUIRE(offsets && out && aligned16(out) && (rows_cap == 0 || (a && b)));
+  // out_table (accumulate only): expert e's fp32 [M, N] at out_table[e], each 16-byte aligned;
+  // out is then not read.
+  MOK_REQUIRE(offsets && (rows_cap == 0 || (a && b)));
+  MOK_REQUIRE(out_table ? (accumulate && !out_bf16 && !tma_store) : (out && aligned16(out)));
   MOK_REQUIRE(rows_cap >= 0 && rows_cap < (int64_t)INT32_MAX && L >= 1 && L <= kMaxExperts);
   MOK_REQUIRE(M > 0 && N > 0 && M % 128 == 0 && N % 256 == 0);
   MOK_REQUIRE(!(out_bf16 && accumulate));
@@ -77,8 +82,8 @@ MOK_API int mok_gemm_weight_grad(const void* a, const void* b, const int32_t* of
   // Rows past the last multiple of 64 cannot belong to a segment (offsets are multiples of 64).
   const int64_t row1_blocks = row0 + (row1 - row0) / kBK * kBK;
   if (tma_store)
-    return weight_grad<true>(a, b, offsets, out, out_bf16, accumulate, rows_cap, L, M, N,
+    return weight_grad<true>(a, b, offsets, counts, out, out_table, out_bf16, accumulate, rows_cap, L, M, N,
                              (int)row0, (int)row1_blocks, carry_in, carry_out, num_ctas, stream);
-  return weight_grad<false>(a, b, offsets, out, out_bf16, accumulate, rows_cap, L, M, N, (int)row0,
+  return weight_grad<false>(a, b, offsets, counts, out, out_table, out_bf16, accumulate, rows_cap, L, M, N, (int)row0,
                             (int)row1_blocks, carry_in, carry_out, num_ctas, stream);
 }

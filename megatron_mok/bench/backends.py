@@ -80,6 +80,9 @@ class Experts:
     fc2_weight: torch.Tensor
     num_experts: int
     group: Optional[dist.ProcessGroup]
+    main_grads: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = None
+    """``--main-grad``: per-expert fp32 [2I, H] and [H, I] buffers, as Megatron's DDP holds the
+    expert weights' ``main_grad`` (see :func:`main_grad_buffers`); None: bf16 gradients."""
 
     @property
     def ep_size(self) -> int:
@@ -117,6 +120,23 @@ class Runner(abc.ABC):
 
     def close(self) -> None:
         """Release what the runner holds (a Megatron layer's copy of the weights)."""
+
+    def after_backward(self, batch: TokenBatch) -> None:
+        """Inside the timed backward, with ``--main-grad``: what Megatron's DDP hook does after a
+        backward that returned bf16 expert weight gradients: ``main_grad[e] += grad[e]`` for
+        every expert weight, then the gradient dropped (MoK's runners accumulate inside the
+        kernel and only drop the placeholders)."""
+        mains = self.experts.main_grads
+        if mains is None:
+            return
+        for w, bufs in zip(self._expert_leaves(), mains):
+            if w.grad is not None:
+                for e, b in enumerate(bufs):
+                    b.add_(w.grad[e])
+                w.grad = None
+
+    def _expert_leaves(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.experts.fc1_weight, self.experts.fc2_weight
 
     def context(self):
         """A context manager to run each forward and backward in (Megatron's CPU stand-ins for
@@ -167,11 +187,15 @@ class MokRunner(_LeafGradsRunner):
         try:
             return self._mok_moe(batch.x, batch.topk_ids, batch.topk_weights, e.fc1_weight,
                                  e.fc2_weight, ep_group=e.group, config=self.config,
-                                 backend=self.backend)
+                                 backend=self.backend, main_grads=e.main_grads)
         except self._unavailable as err:
             raise Skip(str(err)) from err
         except ImportError as err:
             raise Skip(f"backend {self.backend!r} is not part of this build ({err})") from err
+
+    def after_backward(self, batch: TokenBatch) -> None:
+        if self.experts.main_grads is not None:  # accumulated in the kernel: drop the placeholders
+            self.experts.fc1_weight.grad = self.experts.fc2_weight.grad = None
 
 
 class A2ARunner(_LeafGradsRunner):
@@ -254,6 +278,18 @@ class MegatronRunner(Runner):
         self.probs.grad = None
         megatron_layer.zero_expert_grads(self.layer)
 
+    def after_backward(self, batch: TokenBatch) -> None:
+        mains = self.experts.main_grads
+        if mains is None:
+            return
+        from megatron_mok.megatron.experts import local_expert_weights
+
+        for ws, bufs in zip(local_expert_weights(self.layer.experts, self.layer.num_local_experts), mains):
+            for w, b in zip(ws, bufs):
+                if w.grad is not None:
+                    b.add_(w.grad)
+                    w.grad = None
+
     def grad_tensors(self, batch: TokenBatch) -> List[torch.Tensor]:
         # The dense [T, E] router-probability gradient, as the backward leaves it (grads()
         # gathers a [T, K] copy of it).
@@ -266,6 +302,23 @@ class MegatronRunner(Runner):
         self._batch = None
         if self.experts.fc1_weight.is_cuda:
             torch.cuda.empty_cache()
+
+
+def main_grad_buffers(fc1_weight: torch.Tensor, fc2_weight: torch.Tensor
+                      ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """Zeroed fp32 ``main_grad`` buffers of the expert weights ([L, 2I, H], [L, H, I]) as
+    Megatron's DDP lays them out for ``SequentialMLP``: one buffer, each expert's fc1 and fc2
+    one after the other, experts in reverse order. Returns (fc1 views [2I, H], fc2 views [H, I])
+    per expert."""
+    L = fc1_weight.shape[0]
+    n1, n2 = fc1_weight[0].numel(), fc2_weight[0].numel()
+    buf = torch.zeros(L * (n1 + n2), dtype=torch.float32, device=fc1_weight.device)
+    fc1, fc2 = [], []
+    for e in range(L):
+        at = (L - 1 - e) * (n1 + n2)
+        fc1.append(buf[at:at + n1].view(fc1_weight.shape[1:]))
+        fc2.append(buf[at + n1:at + n1 + n2].view(fc2_weight.shape[1:]))
+    return fc1, fc2
 
 
 def make_runner(name: str, experts: Experts, topk: int, max_tokens: int, megatron_experts: str = "auto",

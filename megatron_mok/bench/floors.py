@@ -85,13 +85,16 @@ def tflops(flop: float, ms: float) -> float:
 
 
 def hbm_bytes(*, hidden: int, ffn_hidden: int, experts: int, tokens: int, sent: int,
-              received: int, backward: bool, elem_bytes: int = ELEM_BYTES) -> Dict[str, float]:
+              received: int, backward: bool, elem_bytes: int = ELEM_BYTES,
+              main_grad: bool = False) -> Dict[str, float]:
     """Bytes one rank moves through HBM in a layer pass, term by term.
 
     Args:
         hidden: H; ffn_hidden: I; experts: L local experts.
         tokens: T_r; sent: S_r routes of its tokens; received: R_r rows it computes.
         backward: the backward pass instead of the forward.
+        main_grad: (backward) the weight gradients accumulated into fp32 ``main_grad`` (read and
+            written once) instead of written in bf16.
 
     Returns:
         {term: bytes}. Forward: weights read; x read; dispatched rows written and read;
@@ -112,9 +115,11 @@ def hbm_bytes(*, hidden: int, ffn_hidden: int, experts: int, tokens: int, sent: 
             "combine_slots": 2.0 * S * H * e,
             "y_write": T * H * e,
         }
+    grads = ({"main_grad_read": 2.0 * weights, "main_grad_write": 2.0 * weights} if main_grad
+             else {"weight_grads_write": weights})
     return {
         "weights_read": weights,
-        "weight_grads_write": weights,
+        **grads,
         "dy_read": T * H * e,
         "dy_rows": 2.0 * R * H * e,
         "saved_read": R * H * e + R * 2 * I * e,
@@ -158,7 +163,7 @@ class PassFloor:
 def layer_floors(*, hidden: int, ffn_hidden: int, experts_per_gpu: int, tokens: Sequence[int],
                  sent: Sequence[int], received: Sequence[int], received_remote: Sequence[int],
                  sent_remote: Sequence[int], rates: DeviceRates,
-                 elem_bytes: int = ELEM_BYTES) -> Dict[str, PassFloor]:
+                 elem_bytes: int = ELEM_BYTES, main_grad: bool = False) -> Dict[str, PassFloor]:
     """Forward and backward floors of the layer on P ranks.
 
     Args:
@@ -167,6 +172,7 @@ def layer_floors(*, hidden: int, ffn_hidden: int, experts_per_gpu: int, tokens: 
             R_r, remote routes computed on r, routes of r's tokens computed elsewhere
             (:class:`megatron_mok.bench.routing.RouteCounts`).
         rates: the device's rates.
+        main_grad: the backward's weight gradients go into fp32 ``main_grad`` (:func:`hbm_bytes`).
 
     Returns:
         {"forward": PassFloor, "backward": PassFloor}.
@@ -179,7 +185,7 @@ def layer_floors(*, hidden: int, ffn_hidden: int, experts_per_gpu: int, tokens: 
         flops = max(mult * 6.0 * r * hidden * ffn_hidden for r in received)
         per_rank_hbm = [hbm_bytes(hidden=hidden, ffn_hidden=ffn_hidden, experts=experts_per_gpu,
                                   tokens=t, sent=s, received=r, backward=backward,
-                                  elem_bytes=elem_bytes)
+                                  elem_bytes=elem_bytes, main_grad=main_grad and backward)
                         for t, s, r in zip(tokens, sent, received)]
         worst_hbm = max(per_rank_hbm, key=lambda terms: sum(terms.values()))
         nvlink = max((rr + sr) * hidden * elem_bytes for rr, sr in zip(received_remote, sent_remote))

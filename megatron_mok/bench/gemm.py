@@ -316,7 +316,8 @@ def run_case(c: Case, label: dict, sw, rows_out: List[Row], wgrad_fp32: bool) ->
         out = torch.empty(L, M, N, dtype=torch.bfloat16, device=a.device)
         ours, err = {}, 0.0
         for tma in (False, True):
-            f = lambda out=out, tma=tma: gg.launch_weight_grad(a, b, c.offsets, out, tma_store=tma)  # noqa: E731
+            f = lambda out=out, tma=tma: gg.launch_weight_grad(a, b, c.offsets, out, counts=c.counts_d,  # noqa: E731
+                                                               tma_store=tma)
             f()
             err = max(err, rel_err(out, t_out))
             ours["m128n256" + ("t" if tma else "")] = time_ms(f)
@@ -326,7 +327,7 @@ def run_case(c: Case, label: dict, sw, rows_out: List[Row], wgrad_fp32: bool) ->
         del out
         if name == "fc1wgrad" and wgrad_fp32:
             main = torch.zeros(L, M, N, dtype=torch.float32, device=a.device)
-            f = lambda: gg.launch_weight_grad(a, b, c.offsets, main, accumulate=True)  # noqa: E731
+            f = lambda: gg.launch_weight_grad(a, b, c.offsets, main, counts=c.counts_d, accumulate=True)  # noqa: E731
             ours = {"m128n256": time_ms(f)}
             t_ms = time_ms(lambda: main.add_(torch._grouped_mm(a.t(), b, offs=c.ends)))
             add("fc1wgrad+=fp32", 2 * R_real * M * N, c.R * (M + N) * 2 + L * M * N * 8, ours, t_ms, None, 0.0)

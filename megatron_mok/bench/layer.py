@@ -15,6 +15,9 @@ iterations of the slowest rank. TFLOP/s = 6*T*K*H*I / latency (backward: twice t
 On a GPU, one more untimed forward + backward per backend, after the timed ones, measures its
 activation memory (:func:`measure_memory`), shown next to the routed-rows need: the bytes the
 training ring would keep for the rows each rank really computes (:func:`routed_rows_need`).
+With ``--main-grad`` the expert weight gradients go into fp32 ``main_grad`` buffers laid out as
+Megatron's DDP lays them out, as under gradient-accumulation fusion: MoK accumulates inside its
+weight-gradient kernel; the other backends' timed backward includes DDP's ``main_grad += grad``.
 Megatron's own layer runs with the expert module Megatron users run (``--megatron-experts``:
 TEGroupedMLP where Transformer Engine is installed, else SequentialMLP); the table names it.
 
@@ -25,6 +28,7 @@ timed iterations) and a heartbeat every ``--heartbeat-s`` seconds of silence.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -37,7 +41,8 @@ import torch.distributed as dist
 
 from ..config import training_ring_bytes
 from . import report
-from .backends import BACKENDS, Experts, Runner, Skip, TokenBatch, make_runner, parse_backends
+from .backends import (BACKENDS, Experts, Runner, Skip, TokenBatch, main_grad_buffers, make_runner,
+                       parse_backends)
 from .check import DEFAULT_TOL, CheckResult, Outcome, compare, run_once
 from .floors import H200, layer_floors, model_flops, rates_with, tflops
 from .machine import Dist, command_line, device_type, init_distributed, machine_info, set_safe_env, utc_now
@@ -78,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--training-ring-rows", type=int, default=None,
                    help="MoK's MoKConfig.training_ring_rows (rows whose activations a forward keeps; the "
                         "backward replays the rest); default: its rule")
+    p.add_argument("--main-grad", action="store_true",
+                   help="the expert weight gradients go into fp32 main_grad buffers, as under Megatron's DDP "
+                        "with gradient-accumulation fusion: MoK's backends accumulate in their weight-gradient "
+                        "kernel; the others return bf16 and the timed backward includes DDP's main_grad += grad "
+                        "per expert weight; the backward floor counts main_grad read and written in fp32")
     p.add_argument("--routing", choices=ROUTINGS, default="uniform", help="how tokens pick experts")
     p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent for --routing zipf")
     p.add_argument("--hot-fraction", type=float, default=1.0,
@@ -207,6 +217,7 @@ def time_backend(runner, batch: TokenBatch, *, warmup: int, iters: int, env: Dis
             y = runner.forward(batch, mark=lambda name, sw=sw: sw.mark("phase:" + name))
             sw.mark("forward")
             y.backward(batch.dy)
+            runner.after_backward(batch)
             sw.mark("backward")
             del y
         if it >= warmup:
@@ -410,7 +421,8 @@ def plan_check(case: BenchCase, routing: RoutingSpec, experts: Experts, batch: T
     if progress is not None:
         progress.phase(f"reference (the oracle) on {check_batch.x.shape[0]} tokens/GPU, "
                        f"{check_experts.fc1_weight.shape[0]} experts/GPU ({mode})")
-    oracle = run_once(make_runner("reference", check_experts, shape.topk, case.tokens_per_gpu), check_batch)
+    with _bf16_grads(check_experts):
+        oracle = run_once(make_runner("reference", check_experts, shape.topk, case.tokens_per_gpu), check_batch)
     return CheckPlan(mode=mode, batch=check_batch, experts=check_experts, oracle=oracle)
 
 
@@ -420,12 +432,23 @@ def check_backend(name: str, runner, plan: CheckPlan, args, env: Dist, case: Ben
     check_runner = runner if own else make_runner(name, plan.experts, case.shape.topk, case.tokens_per_gpu,
                                                   args.megatron_experts)
     try:
-        got = run_once(check_runner, plan.batch)
+        with _bf16_grads(plan.experts):
+            got = run_once(check_runner, plan.batch)
         return compare(got, plan.oracle, tokens=int(plan.batch.x.shape[0]),
                        tol=args.tol or DEFAULT_TOL[DTYPE], group=env.group, device=env.device)
     finally:
         if not own:
             check_runner.close()
+
+
+@contextlib.contextmanager
+def _bf16_grads(experts: Experts):
+    """The checks compare the gradients the backends return: ``--main-grad`` off meanwhile."""
+    mains, experts.main_grads = experts.main_grads, None
+    try:
+        yield
+    finally:
+        experts.main_grads = mains
 
 
 def run_backend(name: str, case: BenchCase, batch: TokenBatch, experts: Experts,
@@ -519,13 +542,14 @@ def run_case(case: BenchCase, routing: RoutingSpec, backends: Sequence[str], rat
     batch = make_batch(case, routing, seed=seed, device=env.device)
     fc1, fc2 = random_weights(case.experts_per_gpu, shape.hidden, shape.ffn_hidden,
                               seed=seed + 17, device=env.device)
-    experts = Experts(fc1_weight=fc1, fc2_weight=fc2, num_experts=case.num_experts, group=env.group)
+    experts = Experts(fc1_weight=fc1, fc2_weight=fc2, num_experts=case.num_experts, group=env.group,
+                      main_grads=main_grad_buffers(fc1, fc2) if args.main_grad else None)
     counts = count_routes(batch.topk_ids, case.experts_per_gpu, case.ep_size, env.group)
     floors = layer_floors(hidden=shape.hidden, ffn_hidden=shape.ffn_hidden,
                           experts_per_gpu=case.experts_per_gpu, tokens=[case.tokens_per_gpu] * case.ep_size,
                           sent=counts.sent, received=counts.received,
                           received_remote=counts.received_remote, sent_remote=counts.sent_remote,
-                          rates=rates)
+                          rates=rates, main_grad=args.main_grad)
     need = routed_rows_need(counts.received, shape.hidden, shape.ffn_hidden)
     plan = None
     if args.check_tokens and any(b != "reference" for b in backends):
@@ -548,6 +572,7 @@ def run_case(case: BenchCase, routing: RoutingSpec, backends: Sequence[str], rat
         "model_flops_forward": model_flops(case.tokens_per_gpu, shape.topk, shape.hidden, shape.ffn_hidden),
         "floors": {k: v.to_json() for k, v in floors.items()},
         "routed_rows_need": need,
+        "main_grad": bool(args.main_grad),
         "results": results,
     }
 

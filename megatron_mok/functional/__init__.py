@@ -15,6 +15,7 @@ from .agreement import MoKMismatchError, agree_on_call
 from .backends import BackendUnavailable, CallSpec, select_backend
 from .faults import MoKCapacityError, MoKPeerError, MoKRuntimeError, MoKTimeoutError, announce_failure
 from .groups import EPGroup, LocalEPGroup, LocalEPRank, check_ep_group, group_size_rank
+from .main_grad import check_main_grads
 from .validate import MoKInputError, check_backend_name, check_inputs, weight_segments
 from .workspace import check_errors
 
@@ -36,6 +37,7 @@ def mok_moe(
     ep_group: EPGroup = None,
     config: Optional[MoKConfig] = None,
     backend: str = "auto",
+    main_grads=None,
 ) -> torch.Tensor:
     """Routed-expert MoE: dispatch, SwiGLU expert FFN and weighted combine (docs/contract.md).
 
@@ -63,6 +65,13 @@ def mok_moe(
         backend: "auto" (the fastest available), "reference" (pure PyTorch, any device),
             "cuda" (comm kernels + grouped GEMM, sm_90), "megakernel" (one persistent
             kernel, sm_90).
+        main_grads: gradient-accumulation fusion (``functional/main_grad.py``): None, or a pair
+            (fc1 buffers, fc2 buffers) of per-expert fp32 tensors, [2I, H] and [H, I], one per
+            local expert in local expert order across the segments, contiguous, 16-byte aligned,
+            anywhere in memory (Megatron's ``main_grad``). The backward then adds each expert's
+            weight gradient into them in fp32 (MoK's Hopper GEMMs: in the weight-gradient
+            kernel's epilogue) and gives ``fc1_weight`` and ``fc2_weight`` placeholder gradients
+            (uninitialised, never to be read), as Megatron's fused linear layers do.
 
     Returns:
         y: [T, H] in ``x.dtype``.
@@ -100,6 +109,7 @@ def mok_moe(
                                  "megatron_mok.MoKConfig(...)")
         ep_size, _ = group_size_rank(ep_group)
         config.check_experts(ep_size, shape.experts_per_rank)
+        mains = check_main_grads(main_grads, shape, x.device)
         spec = CallSpec(shape=shape, config=config, ep_group=ep_group, ep_size=ep_size, device=x.device,
                         dtype=x.dtype)
         chosen = select_backend(backend, spec)
@@ -117,9 +127,9 @@ def mok_moe(
         raise
     fc1s, fc2s = weight_segments("fc1_weight", fc1_weight), weight_segments("fc2_weight", fc2_weight)
     if chosen.name == "reference":  # it meets the other ranks at every call and tells them itself
-        return chosen.run(spec, x, topk_ids, topk_weights, fc1s, fc2s)
+        return chosen.run(spec, x, topk_ids, topk_weights, fc1s, fc2s, mains)
     try:
-        return chosen.run(spec, x, topk_ids, topk_weights, fc1s, fc2s)
+        return chosen.run(spec, x, topk_ids, topk_weights, fc1s, fc2s, mains)
     except (MoKCapacityError, MoKConfigError) as err:  # raised before any GPU work of this call
         announce_failure(ep_group, err, compared=True)
         raise

@@ -41,9 +41,11 @@ class Backend(Protocol):
         """None when this backend runs the call here, else why not (one clause, read by users)."""
 
     def run(self, spec: CallSpec, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-            fc1s: Tuple[torch.Tensor, ...], fc2s: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+            fc1s: Tuple[torch.Tensor, ...], fc2s: Tuple[torch.Tensor, ...], main_grads=None) -> torch.Tensor:
         """y [T, H] in x's dtype for validated inputs: x [T, H], topk_ids int64 [T, K],
-        topk_weights fp32 [T, K], fc1s / fc2s the weight segments ([L_i, 2I, H] / [L_i, H, I])."""
+        topk_weights fp32 [T, K], fc1s / fc2s the weight segments ([L_i, 2I, H] / [L_i, H, I]);
+        ``main_grads`` (``main_grad.MainGrads`` or None): per-expert fp32 buffers the weight
+        gradients are accumulated into, the weights then getting placeholders."""
 
 
 @functools.lru_cache(maxsize=None)

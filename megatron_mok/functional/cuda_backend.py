@@ -58,7 +58,7 @@ class _CudaMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, ws: Workspace, call: ExpertCall, spec: CallSpec,
-                fc1_2=None, fc2_2=None):
+                fc1_2=None, fc2_2=None, main_grads=None):
         ws.raise_if_failed(call.timeout_s)
         T = topk_ids.shape[0]
         table, counts, offsets, capacity = ws.dispatch(x, topk_ids, topk_weights, SITE_FWD_DISPATCH, call.timeout_s,
@@ -74,7 +74,7 @@ class _CudaMoE(torch.autograd.Function):
             # (x and topk_weights are the caller's tensors, kept for replay).
             ctx.save_for_backward(x, topk_ids, topk_weights, fc1, fc2, fc1_2, fc2_2, table, offsets, counts,
                                   *[t for k in kept for t in k])
-            ctx.ws, ctx.call, ctx.plan = ws, call, plan
+            ctx.ws, ctx.call, ctx.plan, ctx.main_grads = ws, call, plan, main_grads
         return y
 
     @staticmethod
@@ -84,8 +84,8 @@ class _CudaMoE(torch.autograd.Function):
         kept = [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
         dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = training.moe_backward(
             ctx.ws, ctx.call, ctx.plan, kept, dy, x, topk_ids, topk_weights, table, offsets, counts, fc1, fc2,
-            fc1_2, fc2_2)
-        return dx, None, dw, d_fc1, d_fc2, None, None, None, d_fc1_2, d_fc2_2
+            fc1_2, fc2_2, ctx.main_grads)
+        return dx, None, dw, d_fc1, d_fc2, None, None, None, d_fc1_2, d_fc2_2, None
 
 
 class CudaBackend:
@@ -96,9 +96,10 @@ class CudaBackend:
     def unavailable_reason(self, spec: CallSpec) -> Optional[str]:
         return gpu_unavailable_reason(spec.device, spec.dtype) or unsupported_reason(spec.shape, spec.config)
 
-    def run(self, spec: CallSpec, x, topk_ids, topk_weights, fc1s, fc2s) -> torch.Tensor:
+    def run(self, spec: CallSpec, x, topk_ids, topk_weights, fc1s, fc2s, main_grads=None) -> torch.Tensor:
         """y bf16 [T, H] for x bf16 [T, H], topk_ids int64 [T, K], topk_weights fp32 [T, K] and
-        the weight segments fc1s (bf16 [L_i, 2I, H]) and fc2s (bf16 [L_i, H, I])."""
+        the weight segments fc1s (bf16 [L_i, 2I, H]) and fc2s (bf16 [L_i, H, I]); ``main_grads``:
+        see :class:`~megatron_mok.functional.backend.Backend`."""
         shape, config = spec.shape, spec.config
         ws = get_workspace(spec.ep_group, x.device, tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk,
                            experts_per_rank=shape.experts_per_rank, config=config)
@@ -108,4 +109,4 @@ class CudaBackend:
         call = expert_call(config, shape, spec.ep_size, config.tile_rows)
         fc1, fc2, fc1_2, fc2_2 = weight_arguments(fc1s, fc2s, call)
         return _CudaMoE.apply(x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), fc1, fc2, ws, call,
-                              spec, fc1_2, fc2_2)
+                              spec, fc1_2, fc2_2, main_grads)

@@ -42,6 +42,22 @@ class ExpertCall:
     timeout_s: float
     num_experts: int
     hopper_gemms: bool  # MoK's Hopper GEMMs with SwiGLU fused (hopper_gemms_apply), else torch's
+    push_from_gemm: bool = False  # fc2 / the fc1 data gradient push rows home from their epilogue
+
+
+PUSH_FROM_GEMM_MIN_ROWS = 384
+"""Expected rows per local expert (T * K / L) from which the row GEMMs that end a direction push
+their rows home from their epilogue rather than writing them for the push kernel. Measured on one
+H200 (Kimi-K2, P = 1, in one process, alternating): at 683 rows per expert the fused push saves
+0.12-0.36 ms of the backward and 0.2 ms of the cuda forward; at 170 it costs 0.68 ms and 0.25 ms
+(the GEMMs stream their weights from HBM there, and the scattered 512-byte row stores compete
+with them). 384 is twice the rows at which these GEMMs turn compute-bound on an H200 (~190)."""
+
+
+def push_from_gemm_applies(shape: MoEShape, hopper_gemms: bool) -> bool:
+    """Whether fc2 and the fc1 data gradient push their rows home from their epilogue
+    (:data:`PUSH_FROM_GEMM_MIN_ROWS`); only with MoK's Hopper GEMMs."""
+    return hopper_gemms and shape.tokens * shape.topk >= PUSH_FROM_GEMM_MIN_ROWS * shape.experts_per_rank
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -49,10 +65,10 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.T
     return torch._grouped_mm(a, b, offs=ends)
 
 
-def _weight_grad(call: ExpertCall, a, b, offsets):
+def _weight_grad(call: ExpertCall, a, b, offsets, counts):
     """[L, M, N] = a[rows of e]^T b[rows of e] per expert, bf16."""
     if call.hopper_gemms:
-        return mok_gemm.weight_grad(a, b, offsets, out_dtype=torch.bfloat16)
+        return mok_gemm.weight_grad(a, b, offsets, counts, out_dtype=torch.bfloat16)
     return _grouped_mm(a.t(), b, offsets[1:])
 
 
@@ -107,7 +123,7 @@ def fc2_dgrad_swiglu_segments(call: ExpertCall, d_out, fc2s, ab, offsets, counts
 
 def _weight_grad_segments(a, b, weights, offsets, counts):
     """Per segment [L_i, M, N] = a[rows of e]^T b[rows of e], bf16."""
-    return [mok_gemm.weight_grad(a, b, offs, out_dtype=torch.bfloat16) for _, offs, _ in
+    return [mok_gemm.weight_grad(a, b, offs, cnts, out_dtype=torch.bfloat16) for _, offs, cnts in
             segments(weights, offsets, counts)]
 
 
@@ -153,8 +169,8 @@ def expert_backward(call: ExpertCall, d_out, x_disp, w_disp, ab, fc1, fc2, offse
     else:
         g = _grouped_mm(d_out, fc2, offsets[1:])  # dL/d(hw) [R, I]
         d_ab, dw_rows, hw = swiglu_ops.swiglu_backward(ab, w_disp, g, offsets, True)
-    d_fc2 = _weight_grad(call, d_out, hw, offsets)  # [L, H, I]
-    d_fc1 = _weight_grad(call, d_ab, x_disp, offsets)  # [L, 2I, H]
+    d_fc2 = _weight_grad(call, d_out, hw, offsets, counts)  # [L, H, I]
+    d_fc1 = _weight_grad(call, d_ab, x_disp, offsets, counts)  # [L, 2I, H]
     if call.hopper_gemms:
         dx_rows = mok_gemm.fc1_dgrad(d_ab, fc1, offsets, tile_rows=call.segment_rows)
     else:
@@ -179,5 +195,7 @@ def weight_arguments(fc1s, fc2s, call: ExpertCall):
 def expert_call(config: MoKConfig, shape: MoEShape, ep_size: int, segment_rows: int) -> ExpertCall:
     """The :class:`ExpertCall` for this config and shape (cached: every layer of a model asks on
     every call)."""
+    hopper = hopper_gemms_apply(shape, segment_rows)
     return ExpertCall(segment_rows=segment_rows, timeout_s=float(config.timeout_s),
-                      num_experts=ep_size * shape.experts_per_rank, hopper_gemms=hopper_gemms_apply(shape, segment_rows))
+                      num_experts=ep_size * shape.experts_per_rank, hopper_gemms=hopper,
+                      push_from_gemm=push_from_gemm_applies(shape, hopper))

@@ -249,7 +249,7 @@ class _MegakernelMoE(torch.autograd.Function):
     Only calls that need a backward go through it (:meth:`MegakernelBackend.run`)."""
 
     @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, ws, launch, spec, fc1_2=None, fc2_2=None):
+    def forward(ctx, x, topk_ids, topk_weights, fc1, fc2, ws, launch, spec, fc1_2=None, fc2_2=None, main_grads=None):
         training_call = any(ctx.needs_input_grad)
         y, saved = _run_forward(x, topk_ids, topk_weights, fc1, fc2, ws, launch, spec, fc1_2, fc2_2, training_call)
         if training_call:
@@ -257,7 +257,7 @@ class _MegakernelMoE(torch.autograd.Function):
             # x and topk_weights are the caller's tensors, kept for replay.
             ctx.save_for_backward(x, topk_ids, topk_weights, fc1, fc2, fc1_2, fc2_2, table, offsets, counts, save_x,
                                   save_w, save_gu)
-            ctx.ws, ctx.call, ctx.plan = ws, launch.expert_call, plan
+            ctx.ws, ctx.call, ctx.plan, ctx.main_grads = ws, launch.expert_call, plan, main_grads
         return y
 
     @staticmethod
@@ -268,8 +268,8 @@ class _MegakernelMoE(torch.autograd.Function):
         kept = training.split_kept(ctx.plan, save_x, save_w, save_gu)
         dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = training.moe_backward(
             ctx.ws, ctx.call, ctx.plan, kept, dy, x, topk_ids, topk_weights, table, offsets, counts, fc1, fc2,
-            fc1_2, fc2_2)
-        return dx, None, dw, d_fc1, d_fc2, None, None, None, d_fc1_2, d_fc2_2
+            fc1_2, fc2_2, ctx.main_grads)
+        return dx, None, dw, d_fc1, d_fc2, None, None, None, d_fc1_2, d_fc2_2, None
 
 
 def _prepared_launch(ws: Workspace, spec: CallSpec) -> Tuple[_Launch, bool]:
@@ -310,11 +310,11 @@ class MegakernelBackend:
     def unavailable_reason(self, spec: CallSpec) -> Optional[str]:
         return gpu_unavailable_reason(spec.device, spec.dtype) or _shape_reason(spec.shape, spec.config, spec.ep_size)
 
-    def run(self, spec: CallSpec, x, topk_ids, topk_weights, fc1s, fc2s) -> torch.Tensor:
+    def run(self, spec: CallSpec, x, topk_ids, topk_weights, fc1s, fc2s, main_grads=None) -> torch.Tensor:
         """y bf16 [T, H] for x bf16 [T, H], topk_ids int64 [T, K], topk_weights fp32 [T, K] and
         the weight segments fc1s (bf16 [L_i, 2I, H]) and fc2s (bf16 [L_i, H, I]): a second
         segment gets its own pair of weight tensor maps in the launch (and its own launches in the
-        backward), no copy.
+        backward), no copy. ``main_grads``: see :class:`~megatron_mok.functional.backend.Backend`.
 
         Raises:
             MoKConfigError: tunables that do not fit the megakernel or the device (before any
@@ -343,7 +343,7 @@ class MegakernelBackend:
             # Nothing to differentiate: skip the autograd function's own host time (~30 us a call).
             return _run_forward(x, topk_ids, topk_weights, fc1, fc2, ws, launch, spec, fc1_2, fc2_2,
                                 training_call=False)[0]
-        return _MegakernelMoE.apply(x, topk_ids, topk_weights, fc1, fc2, ws, launch, spec, fc1_2, fc2_2)
+        return _MegakernelMoE.apply(x, topk_ids, topk_weights, fc1, fc2, ws, launch, spec, fc1_2, fc2_2, main_grads)
 
 
 @functools.lru_cache(maxsize=256)

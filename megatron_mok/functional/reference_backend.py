@@ -34,6 +34,7 @@ from .backend import CallSpec
 from .faults import (SITE_FWD_DISPATCH, MoKCapacityError, MoKPeerError, MoKRuntimeError, bad_id_message,
                      capacity_message, exchange, group_state, peer_failed_message, renew, FAILURE_CAPACITY)
 from .groups import EPGroup, LocalEPRank, group_size_rank
+from .main_grad import MainGrads, add_into_after_backward
 
 
 @dataclass
@@ -99,8 +100,10 @@ class ReferenceBackend:
                     "virtual ranks (LocalEPGroup) run only the GPU backends")
         return None
 
-    def run(self, spec: CallSpec, x, topk_ids, topk_weights, fc1s, fc2s) -> torch.Tensor:
-        """y [T, H] in x's dtype; weight segments are concatenated (a copy)."""
+    def run(self, spec: CallSpec, x, topk_ids, topk_weights, fc1s, fc2s,
+            main_grads: Optional[MainGrads] = None) -> torch.Tensor:
+        """y [T, H] in x's dtype; weight segments are concatenated (a copy). With ``main_grads``
+        the weights' gradients are added into them after the backward (main_grad.py)."""
         shape, config, group = spec.shape, spec.config, spec.ep_group
         P, rank = group_size_rank(group)
         key = ("single" if group is None else group.group_name, str(x.device), shape.hidden, shape.topk,
@@ -144,6 +147,8 @@ class ReferenceBackend:
             ws.failure = MoKRuntimeError(bad_id_message(group, bad_ids, E))
             return _FailedCall.apply(ws, x, topk_weights, *fc1s, *fc2s)
 
+        if main_grads is not None:
+            fc1s, fc2s = add_into_after_backward(main_grads, fc1s, fc2s)
         fc1, fc2 = (fc1s[0], fc2s[0]) if len(fc1s) == 1 else (torch.cat(fc1s), torch.cat(fc2s))
 
         def checkpoint(site: int) -> None:  # the later cross-rank steps: every rank there, or a clear error

@@ -16,16 +16,23 @@ h) are per-row functions, and each weight gradient runs one fp32 accumulator ove
 rows in layout order, carried exactly from one chunk to the next through an fp32 buffer of one
 expert (``grouped_gemm.weight_grad_rows``).
 
+With MoK's Hopper GEMMs and enough rows per expert (``ExpertCall.push_from_gemm``), fc2 (forward)
+and the fc1 data gradient (backward) push their output rows to their (token, slot) rows at home
+from their epilogue (``grouped_gemm.fc2_push``, ``fc1_dgrad_push``): neither fc2's output rows nor
+the dX rows are written to memory, bitwise the GEMM followed by the push kernel, which runs
+otherwise.
+
 Where MoK's Hopper GEMMs do not take the shape (``ExpertCall.hopper_gemms`` false: torch's
 grouped GEMMs, which cannot carry a partial sum), the plan is one chunk that keeps every row of
-the worst-case layout, as the backends did before the training ring.
+the worst-case layout, as the backends did before the training ring, and the rows are pushed by
+the push kernel after the GEMM.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,6 +41,7 @@ from ..ops import comm as comm_ops
 from ..ops import grouped_gemm as mok_gemm
 from .expert_ffn import (ExpertCall, expert_backward, expert_forward, fc1_swiglu_segments,
                          fc2_dgrad_swiglu_segments, plain_gemm_segments, segments)
+from .main_grad import MainGrads, add_into, placeholders, split_segments
 from .validate import MoEShape
 from .workspace import Workspace
 
@@ -110,23 +118,100 @@ def split_kept(plan: Sequence[Chunk], x: torch.Tensor, w: torch.Tensor, gu: torc
     return [(x[c.row0:c.row1], w[c.row0:c.row1], gu[c.row0:c.row1]) for c in plan if c.kept]
 
 
+# ---- the row GEMMs of the Hopper path ---------------------------------------------------------
+
+def _fc1(call: ExpertCall, x, w, fc1s, offsets, counts) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(h bf16 [n, I], gate | up bf16 [n, 2I]) of fc1 + SwiGLU with MoK's Hopper GEMMs, one launch
+    per weight segment. The forward and the backward's replay both run it, so a replayed
+    pre-activation is bitwise the forward's (the same kernel on the same rows)."""
+    if len(fc1s) > 1:
+        return fc1_swiglu_segments(call, x, fc1s, offsets, counts, w)
+    return mok_gemm.fc1_swiglu(x, fc1s[0], offsets, counts, w, tile_rows=call.segment_rows, save_preact=True)
+
+
+def _replay_preact(call, x, w, fc1s, offsets, counts) -> torch.Tensor:
+    """gate | up bf16 [n, 2I] of replayed rows: fc1 as the forward ran it."""
+    return _fc1(call, x, w, fc1s, offsets, counts)[1]
+
+
+def _push_rows_from_gemm(ws: Workspace, call: ExpertCall, fc2: bool, a, weights, offsets, counts, table,
+                         row_scalars=None) -> None:
+    """A row GEMM of one chunk whose epilogue pushes its output rows home: fc2 (``fc2``; a = h
+    bf16 [n, I]) or the fc1 data gradient (a = d gate|up bf16 [n, 2I], with ``row_scalars`` fp32
+    [n], the router-weight gradient, pushed into the scalar slots too). ``table`` int32 [n, 2]:
+    the chunk's schedule rows; ``offsets`` / ``counts``: its chunk-relative layout. One launch per
+    weight segment (each pushes its experts' rows), every segment checked before the first
+    launch. Bitwise the GEMM into [n, H] followed by ``comm_ops.push_rows`` over the chunk.
+
+    Memory ordering: the epilogue's stores into the peers' slots are plain stores, as the push
+    kernel's were, and the same guarantee carries them: the rank's next step is the
+    ``ws.barrier`` that follows in the stream (SITE_FWD_COMBINE, SITE_BWD_COMBINE), whose
+    fence.acq_rel.sys and st.release.sys run after this kernel has completed (stream order) and
+    are cumulative over every earlier kernel's stores, peer stores included; a peer acquires the
+    barrier flag before its slot sum reads the slots (P = 1: no barrier, the slot sum runs later
+    in the same stream). Virtual ranks are ordered the same way, each by its own stream."""
+    slots, scalars = ws.layout.slots, ws.layout.scalars
+    checked = []
+    for w, offs, _ in segments(weights, offsets, counts):
+        if fc2:
+            v = mok_gemm.check_fc2_push(a, w, offs, table, ws.bases, slots, call.segment_rows)
+        else:
+            v = mok_gemm.check_fc1_dgrad_push(a, w, offs, table, ws.bases, slots, row_scalars, scalars,
+                                              call.segment_rows)
+        checked.append((w, offs, [int(f) for f in v]))
+    for w, offs, v in checked:
+        if fc2:
+            mok_gemm.gemm_fc2_push_op(a, w, offs, table, ws.bases, slots, v, 0)
+        else:
+            mok_gemm.gemm_fc1_dgrad_push_op(a, w, offs, table, ws.bases, slots, row_scalars, scalars, v, 0)
+
+
+def _rows_home(ws: Workspace, call: ExpertCall, fc2: bool, a, weights, offsets, counts, table,
+               row_scalars=None) -> None:
+    """fc2's output rows or the dX rows (and ``row_scalars``) of one chunk to their (token, slot)
+    rows at home, with MoK's Hopper GEMMs: from the GEMM's epilogue where
+    ``call.push_from_gemm`` (:func:`_push_rows_from_gemm`), else the GEMM into [n, H] rows and the
+    push kernel (``expert_ffn.PUSH_FROM_GEMM_MIN_ROWS`` says when each is faster). Bitwise the
+    same either way. Arguments as :func:`_push_rows_from_gemm`."""
+    if call.push_from_gemm:
+        _push_rows_from_gemm(ws, call, fc2, a, weights, offsets, counts, table, row_scalars)
+        return
+    if fc2:
+        rows = plain_gemm_segments(call, a, weights, offsets, counts, weights[0].shape[1], mok_gemm.check_fc2,
+                                   mok_gemm.launch_fc2)
+    else:
+        rows = plain_gemm_segments(call, a, weights, offsets, counts, weights[0].shape[2], mok_gemm.check_fc1_dgrad,
+                                   mok_gemm.launch_fc1_dgrad)
+    comm_ops.push_rows(ws.bases, ws.layout.slots, 0 if fc2 else ws.layout.scalars, table, offsets, ws.layout.topk,
+                       rows, row_scalars, 0)
+
+
 # ---- forward (the cuda backend's; the megakernel keeps rows in its own launch) ------------------
 
 def cuda_forward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], table: torch.Tensor, offsets: torch.Tensor,
                  counts: torch.Tensor, fc1, fc2, fc1_2, fc2_2, keep: bool) -> List[Kept]:
     """The ``cuda`` backend's expert stage, chunk by chunk, after the dispatch prologue: pull the
-    chunk's x rows and router weights, the expert FFN (``expert_ffn.expert_forward``), push the
-    output rows to their (token, slot). Returns what the kept chunks keep when ``keep`` (a
-    forward with grad), else nothing."""
+    chunk's x rows and router weights, the expert FFN, and each output row to its (token, slot)
+    on its home rank: with MoK's Hopper GEMMs fc1 + SwiGLU, then fc2 and its rows home
+    (:func:`_rows_home`: from fc2's epilogue where that is faster, no [n, H] output rows); with torch's GEMMs
+    ``expert_ffn.expert_forward`` then the push kernel. Returns what the kept chunks keep when
+    ``keep`` (a forward with grad), else nothing."""
     K, H = ws.layout.topk, ws.layout.hidden
+    fc1s = (fc1,) if fc1_2 is None else (fc1, fc1_2)
+    fc2s = (fc2,) if fc2_2 is None else (fc2, fc2_2)
     kept: List[Kept] = []
     for c in plan:
         tab = table[c.row0:c.row1]
         offs, cnts = (offsets, counts) if len(plan) == 1 else chunk_layout(offsets, counts, c.row0, c.row1)
         x_c, w_c = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, ws.layout.scalars, tab, offs, K, c.rows, H,
                                       True, 0)
-        out_rows, _, gu = expert_forward(call, x_c, w_c, fc1, fc2, offs, cnts, fc1_2, fc2_2)
-        comm_ops.push_rows(ws.bases, ws.layout.slots, 0, tab, offs, K, out_rows, None, 0)
+        if call.hopper_gemms:
+            h, gu = _fc1(call, x_c, w_c, fc1s, offs, cnts)
+            _rows_home(ws, call, True, h, fc2s, offs, cnts, tab)
+            del h
+        else:
+            out_rows, _, gu = expert_forward(call, x_c, w_c, fc1, fc2, offs, cnts, fc1_2, fc2_2)
+            comm_ops.push_rows(ws.bases, ws.layout.slots, 0, tab, offs, K, out_rows, None, 0)
         if keep and c.kept:
             kept.append((x_c, w_c, gu))
     return kept
@@ -135,14 +220,20 @@ def cuda_forward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], table: 
 # ---- backward ---------------------------------------------------------------------------------
 
 class _WeightGrads:
-    """The weight gradients of one backward (bf16, one tensor per weight segment), written chunk
-    by chunk; with several chunks, two fp32 carry buffers of one expert per matrix, used in
-    turn (a chunk reads the carry its predecessor wrote and writes the other)."""
+    """The weight gradients of one backward, written chunk by chunk: bf16, one tensor per weight
+    segment; or, with ``main_grads``, accumulated in fp32 into the per-expert buffers (the
+    segments then get placeholders, main_grad.py). With several chunks, two fp32 carry buffers of
+    one expert per matrix, used in turn (a chunk reads the carry its predecessor wrote and writes
+    the other)."""
 
-    def __init__(self, fc1s, fc2s, chunks: int):
+    def __init__(self, fc1s, fc2s, chunks: int, main_grads: Optional[MainGrads] = None):
         self.fc1s, self.fc2s = fc1s, fc2s
-        self.d_fc1 = [torch.empty_like(w) for w in fc1s]  # [L_i, 2I, H]
-        self.d_fc2 = [torch.empty_like(w) for w in fc2s]  # [L_i, H, I]
+        self.into = None
+        if main_grads is None:
+            self.d_fc1 = [torch.empty_like(w) for w in fc1s]  # [L_i, 2I, H]
+            self.d_fc2 = [torch.empty_like(w) for w in fc2s]  # [L_i, H, I]
+        else:
+            self.into = (split_segments(main_grads[0], fc1s), split_segments(main_grads[1], fc2s))
         self.chunks = chunks
         self.carry1 = self.carry2 = None
         if chunks > 1:
@@ -160,29 +251,33 @@ class _WeightGrads:
         if bufs is not None:
             c_in = bufs[(i - 1) % 2] if i > 0 else None
             c_out = bufs[i % 2] if i < self.chunks - 1 else None
-        outs = self.d_fc1 if fc1 else self.d_fc2
-        for s, (_, offs, _) in enumerate(segments(self.fc1s, offsets, counts)):
-            mok_gemm.weight_grad_rows(a, b, offs, outs[s], row0=c.row0, row1=c.row1, carry_in=c_in, carry_out=c_out)
+        for s, (_, offs, cnts) in enumerate(segments(self.fc1s, offsets, counts)):
+            if self.into is not None:
+                mok_gemm.weight_grad_into(a, b, offs, self.into[0 if fc1 else 1][s], counts=cnts, row0=c.row0,
+                                          row1=c.row1, carry_in=c_in, carry_out=c_out)
+            else:
+                mok_gemm.weight_grad_rows(a, b, offs, (self.d_fc1 if fc1 else self.d_fc2)[s], row0=c.row0,
+                                          row1=c.row1, carry_in=c_in, carry_out=c_out, counts=cnts)
 
-
-def _replay_preact(call, x, w, fc1s, offsets, counts) -> torch.Tensor:
-    """gate | up bf16 [n, 2I] of replayed rows: fc1 as the forward ran it (the same kernel on the
-    same rows, so the same bits)."""
-    if len(fc1s) > 1:
-        return fc1_swiglu_segments(call, x, fc1s, offsets, counts, w)[1]
-    return mok_gemm.fc1_swiglu(x, fc1s[0], offsets, counts, w, tile_rows=call.segment_rows, save_preact=True)[1]
+    def results(self):
+        """(d fc1 per segment, d fc2 per segment): the gradients, or placeholders."""
+        if self.into is not None:
+            return placeholders(self.fc1s), placeholders(self.fc2s)
+        return self.d_fc1, self.d_fc2
 
 
 def moe_backward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], kept: Sequence[Kept], dy: torch.Tensor,
                  x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
-                 offsets: torch.Tensor, counts: torch.Tensor, fc1, fc2, fc1_2=None, fc2_2=None):
+                 offsets: torch.Tensor, counts: torch.Tensor, fc1, fc2, fc1_2=None, fc2_2=None,
+                 main_grads: Optional[MainGrads] = None):
     """The layer backward of both GPU backends, on workspace ``ws``: publish dy bf16 [T, H] (and,
     when the plan replays rows, x bf16 [T, H] and topk_weights fp32 [T, K] again); then chunk by
     chunk, pull the chunk's dy rows (reverse combine), take its kept activations (``kept``, one
     entry per kept chunk) or replay them, run the fc2 data gradient with the SwiGLU backward, the
     two weight gradients and the fc1 data gradient, and push dX and the router-weight gradient to
     each route's (token, slot) on its home rank (reverse dispatch); finally sum the K slots of
-    each token in a fixed order.
+    each token in a fixed order. With ``main_grads`` the weight gradients are accumulated into
+    them in fp32 and the weight gradients returned are placeholders (main_grad.py).
 
     Returns:
         (dx bf16 [T, H], d topk_weights fp32 [T, K], d_fc1 bf16 [L1, 2I, H], d_fc2 bf16 [L1, H, I],
@@ -203,9 +298,12 @@ def moe_backward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], kept: S
         d_out, _ = comm_ops.pull_rows(ws.bases, ws.layout.rows, True, 0, table, offsets, K, c.rows, H, False, 0)
         dx_rows, dw_rows, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = expert_backward(call, d_out, x_disp, w_disp, gu, fc1, fc2,
                                                                           offsets, counts, fc1_2, fc2_2)
+        if main_grads is not None:  # torch's GEMMs gave bf16 gradients (one segment): DDP's add, here;
+            add_into(main_grads[0], d_fc1)  # the gradients then go back as the placeholders
+            add_into(main_grads[1], d_fc2)
         comm_ops.push_rows(ws.bases, ws.layout.slots, ws.layout.scalars, table, offsets, K, dx_rows, dw_rows, 0)
     else:
-        grads = _WeightGrads(fc1s, fc2s, len(plan))
+        grads = _WeightGrads(fc1s, fc2s, len(plan), main_grads)
         kept_iter = iter(kept)
         for i, c in enumerate(plan):
             tab = table[c.row0:c.row1]
@@ -218,7 +316,7 @@ def moe_backward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], kept: S
                                               c.rows, H, True, 0)
                 gu_c = _replay_preact(call, x_c, w_c, fc1s, offs, cnts)
             # Each operand is dropped once its last reader is queued: the chunk's peak is dY, d gate|up
-            # and h, or d gate|up and the dX rows, never all four.
+            # and h, or d gate|up and the dX rows (none where they go home from the GEMM's epilogue).
             if len(fc2s) > 1:
                 d_gu, dw_rows, h = fc2_dgrad_swiglu_segments(call, d_out, fc2s, gu_c, offs, cnts, w_c)
             else:
@@ -229,13 +327,14 @@ def moe_backward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], kept: S
             del d_out, h
             grads.add(i, c, offsets, counts, True, d_gu, x_c)
             del x_c
-            dx_rows = plain_gemm_segments(call, d_gu, fc1s, offs, cnts, fc1.shape[2], mok_gemm.check_fc1_dgrad,
-                                          mok_gemm.launch_fc1_dgrad)
-            del d_gu
-            comm_ops.push_rows(ws.bases, ws.layout.slots, ws.layout.scalars, tab, offs, K, dx_rows, dw_rows, 0)
-        d_fc1, d_fc2 = grads.d_fc1[0], grads.d_fc2[0]
-        d_fc1_2 = grads.d_fc1[1] if fc1_2 is not None else None
-        d_fc2_2 = grads.d_fc2[1] if fc2_2 is not None else None
+            # dX rows and the router-weight gradient go home from the fc1 data gradient's epilogue
+            # (reverse dispatch): the dX rows are never written to [n, H].
+            _rows_home(ws, call, False, d_gu, fc1s, offs, cnts, tab, dw_rows)
+            del d_gu, dw_rows
+        g1, g2 = grads.results()
+        d_fc1, d_fc2 = g1[0], g2[0]
+        d_fc1_2 = g1[1] if fc1_2 is not None else None
+        d_fc2_2 = g2[1] if fc2_2 is not None else None
     ws.barrier(SITE_BWD_COMBINE, call.timeout_s)
     dx, dw = comm_ops.sum_slots(ws.slots[:T], topk_ids, call.num_experts, ws.scalars[:T], ws.status)
     ws.mirror_status()

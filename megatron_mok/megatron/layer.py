@@ -316,8 +316,53 @@ class MoKMoELayer(MoELayer):
             ep_group=self.ep_group if self.ep_size > 1 else None,
             config=self.mok_settings.config,
             backend=self.mok_settings.backend,
+            main_grads=self._fused_main_grads(reverse),
         )
         return output.reshape(shape)
+
+    def _fused_main_grads(self, reverse: bool):
+        """Megatron's gradient-accumulation fusion for the expert weights: (fc1 main_grads, fc2
+        main_grads) in the order of the stacked weights, for ``mok_moe`` to accumulate into in
+        fp32, each parameter marked ``grad_added_to_main_grad`` so that Megatron's DDP skips its
+        own add; or None (bf16 gradients, which DDP adds) when ``gradient_accumulation_fusion`` is
+        off, nothing needs a gradient, or a weight has no fp32 ``main_grad`` of its own shape (the
+        first such call prints why, once per job)."""
+        if not (getattr(self.config, "gradient_accumulation_fusion", False) and torch.is_grad_enabled()):
+            return None
+        fc1, fc2 = local_expert_weights(self.experts, self.num_local_experts)
+        if reverse:
+            fc1, fc2 = fc1[::-1], fc2[::-1]
+        why = None
+        if self.fused_shared:
+            sh1, sh2 = self.shared_experts.linear_fc1.weight, self.shared_experts.linear_fc2.weight
+            if sh2.shape[1] != self.config.moe_ffn_hidden_size:
+                why = (f"the fused shared expert ({sh2.shape[1]} channels) runs as copies of "
+                       f"{self.config.moe_ffn_hidden_size}-channel slices, whose gradients are not main_grad views")
+            fc1, fc2 = list(fc1) + [sh1], list(fc2) + [sh2]
+        params = list(fc1) + list(fc2)
+        if not any(p.requires_grad for p in params):
+            return None
+        if why is None:
+            for p in params:
+                mg = getattr(p, "main_grad", None)
+                if not isinstance(mg, torch.Tensor) or mg.dtype != torch.float32 or mg.shape != p.shape:
+                    why = ("an expert weight has no fp32 main_grad of its shape "
+                           f"({None if mg is None else (mg.dtype, tuple(mg.shape))})")
+                    break
+                if getattr(p, "zero_out_wgrad", False):
+                    why = "an expert weight asks for zeroed weight gradients (zero_out_wgrad)"
+                    break
+        note = ("MoK: expert weight gradients accumulate into main_grad in fp32 inside the weight-gradient "
+                "kernel (gradient-accumulation fusion)" if why is None else
+                f"MoK: expert weight gradients are returned in bf16 and added into main_grad by DDP: {why}")
+        if note not in _NOTES_PRINTED:
+            _NOTES_PRINTED.add(note)
+            print_first_rank_of_stage(note)
+        if why is not None:
+            return None
+        for p in params:
+            p.grad_added_to_main_grad = True
+        return [p.main_grad for p in fc1], [p.main_grad for p in fc2]
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
                 padding_mask: Optional[torch.Tensor] = None):

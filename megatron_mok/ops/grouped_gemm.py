@@ -19,7 +19,7 @@ benchmarks that poison or reuse outputs).
 from __future__ import annotations
 
 import ctypes
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -91,8 +91,12 @@ def _lib():
                                   [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _i, _v]),
         "fc1_dgrad": lib.function("mok_gemm_fc1_dgrad", _i,
                                   [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _i, _v]),
+        "fc2_push": lib.function("mok_gemm_fc2_push", _i,
+                                 [_v, _v, _v, _v, _v, _i64, _i64, _i, _i, _i, _i, _i, _i, _v]),
+        "fc1_dgrad_push": lib.function("mok_gemm_fc1_dgrad_push", _i,
+                                       [_v, _v, _v, _v, _v, _i64, _v, _i64, _i64, _i, _i, _i, _i, _i, _i, _v]),
         "wgrad": lib.function("mok_gemm_weight_grad", _i,
-                              [_v, _v, _v, _v, _i, _i, _i, _i64, _i, _i, _i, _i64, _i64, _v, _v, _i, _v]),
+                              [_v, _v, _v, _v, _v, _v, _i, _i, _i, _i64, _i, _i, _i, _i64, _i64, _v, _v, _i, _v]),
     }
 
 
@@ -251,14 +255,14 @@ def check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m=None, wg_n=None
     return v
 
 
-def check_weight_grad(a, b, offsets, out=None) -> None:
+def check_weight_grad(a, b, offsets, out=None, counts=None) -> None:
     """Validate :func:`weight_grad`'s arguments."""
     _check_matrix("a", a, torch.bfloat16, 2, None)
     _check_matrix("b", b, torch.bfloat16, 2, a.device)
     if a.shape[0] != b.shape[0]:
         _fail(f"a and b must have the same rows, got {tuple(a.shape)} and {tuple(b.shape)}")
     L = offsets.numel() - 1
-    _check_layout(offsets, None, L, a.device)
+    _check_layout(offsets, counts, L, a.device)
     M, N = a.shape[1], b.shape[1]
     _check_multiple("M (columns of a)", M, 128, "the weight-gradient tile height")
     _check_multiple("N (columns of b)", N, 256, "the weight-gradient tile width")
@@ -268,6 +272,25 @@ def check_weight_grad(a, b, offsets, out=None) -> None:
         _check_matrix("out", out, out.dtype, 3, a.device)
         if tuple(out.shape) != (L, M, N):
             _fail(f"the weight-gradient output must be [L={L}, M={M}, N={N}], got {tuple(out.shape)}")
+
+
+def check_expert_outputs(outs, L: int, M: int, N: int, device) -> None:
+    """Validate the per-expert fp32 outputs of :func:`weight_grad_into`: a list or tuple of L
+    contiguous fp32 [M, N] tensors on ``device``, each 16-byte aligned, none overlapping another."""
+    if not isinstance(outs, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in outs):
+        _fail(f"the per-expert outputs must be a list or tuple of tensors, got {type(outs).__name__}")
+    if len(outs) != L:
+        _fail(f"{len(outs)} per-expert outputs for L = {L} experts")
+    for e, t in enumerate(outs):
+        if t.dtype != torch.float32 or tuple(t.shape) != (M, N):
+            _fail(f"per-expert output {e} must be fp32 [{M}, {N}] (a main_grad), got {t.dtype} {tuple(t.shape)}")
+        if t.device != device:
+            _fail(f"per-expert output {e} is on {t.device}, the operands on {device}")
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            _fail(f"per-expert output {e} must be contiguous and 16-byte aligned")
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in outs)
+    if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
+        _fail("per-expert outputs overlap: each expert needs its own fp32 [M, N]")
 
 
 WGRAD_ROW_BLOCK = 64
@@ -283,16 +306,22 @@ def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def check_weight_grad_rows(a, b, offsets, out, row0, row1, carry_in, carry_out, accumulate=False,
-                           tma_store=None) -> None:
-    """Validate :func:`weight_grad_rows`'s arguments (before any GPU work)."""
-    if not isinstance(out, torch.Tensor):
+                           tma_store=None, counts=None) -> None:
+    """Validate :func:`weight_grad_rows`'s arguments (before any GPU work); ``out`` may also be
+    the per-expert outputs of :func:`weight_grad_into` (a list or tuple, accumulated)."""
+    per_expert = isinstance(out, (list, tuple))
+    if not per_expert and not isinstance(out, torch.Tensor):
         _fail(f"out must be the [L, M, N] fp32 or bf16 tensor to write into, got {type(out).__name__}")
-    check_weight_grad(a, b, offsets, out)
+    check_weight_grad(a, b, offsets, None if per_expert else out, counts)
     R, M = a.shape
     N = b.shape[1]
-    if accumulate and out.dtype != torch.float32:
+    if per_expert:
+        check_expert_outputs(out, offsets.numel() - 1, M, N, a.device)
+        if not accumulate or tma_store:
+            _fail("per-expert outputs are accumulated into (fp32 main_grad), without tma_store")
+    elif accumulate and out.dtype != torch.float32:
         _fail(f"accumulating weight gradients needs an fp32 out (main_grad), got {out.dtype}")
-    if tma_store and out.dtype != torch.bfloat16:
+    if not per_expert and tma_store and out.dtype != torch.bfloat16:
         _fail(f"tma_store writes a bf16 out, got {out.dtype}")
     for name, v in (("row0", row0), ("row1", row1)):
         if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
@@ -320,7 +349,7 @@ def check_weight_grad_rows(a, b, offsets, out, row0, row1, carry_in, carry_out, 
             _fail("carry_in and carry_out must not overlap (alternate two buffers between ranges)")
     if not torch.compiler.is_compiling():
         for name, c in (("carry_in", carry_in), ("carry_out", carry_out)):
-            if c is not None and _overlap(c, out):
+            if c is not None and any(_overlap(c, o) for o in (out if per_expert else (out,))):
                 _fail(f"{name} must not overlap out")
 
 
@@ -392,25 +421,48 @@ def launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, *, variant: Variant, num_ctas
     lib.check(code, "mok_gemm_fc1_dgrad")
 
 
-def launch_weight_grad(a, b, offsets, out, *, accumulate: bool = False, tma_store: Optional[bool] = None,
-                       num_ctas: int = 0, row0: int = 0, row1: Optional[int] = None,
-                       carry_in: Optional[torch.Tensor] = None, carry_out: Optional[torch.Tensor] = None) -> None:
+def launch_weight_grad(a, b, offsets, out, *, counts: Optional[torch.Tensor] = None, accumulate: bool = False,
+                       tma_store: Optional[bool] = None, num_ctas: int = 0, row0: int = 0,
+                       row1: Optional[int] = None, carry_in: Optional[torch.Tensor] = None,
+                       carry_out: Optional[torch.Tensor] = None, out_table: Optional[torch.Tensor] = None) -> None:
     """out[e] (+)= a_e^T b_e over expert e's rows; ``out`` fp32 or bf16 [L, M, N].
-    ``tma_store`` (bf16 out only) defaults to :data:`WGRAD_TMA_STORE` for bf16. ``row0``,
-    ``row1`` (None: row0 + R), ``carry_in``, ``carry_out``: a range of the layout's rows, as in
-    :func:`weight_grad_rows` (a, b [R, .] hold rows row0 .. row0 + R - 1)."""
+    ``counts`` int32 [L] (or None): the real rows per expert, whose 64-row blocks of padding past
+    the last real row the K loop skips. ``tma_store`` (bf16 out only) defaults to
+    :data:`WGRAD_TMA_STORE` for bf16. ``row0``, ``row1`` (None: row0 + R), ``carry_in``,
+    ``carry_out``: a range of the layout's rows, as in :func:`weight_grad_rows` (a, b [R, .] hold
+    rows row0 .. row0 + R - 1). ``out_table`` (accumulate only; ``out`` is then None): int64 [L]
+    device addresses of the experts' fp32 [M, N] outputs (:func:`expert_table`)."""
     lib, fns = _lib()
     R, M = a.shape
     N = b.shape[1]
     L = offsets.numel() - 1
-    out_bf16 = out.dtype == torch.bfloat16
+    out_bf16 = out is not None and out.dtype == torch.bfloat16
     if out_bf16 and accumulate:
         _fail("accumulating weight gradients needs an fp32 output (main_grad)")
     tma = (out_bf16 and WGRAD_TMA_STORE) if tma_store is None else bool(tma_store)
-    code = fns["wgrad"](ptr(a), ptr(b), ptr(offsets), ptr(out), int(out_bf16), int(accumulate), int(tma), R, L,
-                        M, N, int(row0), int(row0 + R if row1 is None else row1), ptr(carry_in), ptr(carry_out),
-                        num_ctas, stream_of(a))
+    code = fns["wgrad"](ptr(a), ptr(b), ptr(offsets), ptr(counts), ptr(out), ptr(out_table), int(out_bf16),
+                        int(accumulate), int(tma), R, L, M, N, int(row0), int(row0 + R if row1 is None else row1),
+                        ptr(carry_in), ptr(carry_out), num_ctas, stream_of(a))
     lib.check(code, "mok_gemm_weight_grad")
+
+
+_TABLES: Dict[Tuple[torch.device, Tuple[int, ...]], torch.Tensor] = {}
+_TABLES_MAX = 4096
+
+
+def expert_table(outs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """int64 [L] on the outputs' device: the address of each expert's output (for
+    ``mok_gemm_weight_grad``'s ``out_table``). Cached by the addresses, so a training loop that
+    accumulates into the same ``main_grad`` buffers every step copies the table to the device once
+    (and a CUDA graph captures no host-to-device copy)."""
+    key = (outs[0].device, tuple(t.data_ptr() for t in outs))
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= _TABLES_MAX:
+            _TABLES.clear()
+        table = torch.tensor(key[1], dtype=torch.int64).to(outs[0].device)
+        _TABLES[key] = table
+    return table
 
 
 # ---- custom ops ------------------------------------------------------------------------------
@@ -512,28 +564,29 @@ def _(dgu, fc1_weight, offsets, variant, num_ctas):
 
 @mok_op("mok::gemm_weight_grad", mutates_args=())
 def gemm_weight_grad_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
-                        tma_store: bool, num_ctas: int) -> torch.Tensor:
+                        tma_store: bool, num_ctas: int, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """out[e] = a_e^T b_e per expert ([L, M, N] in ``out_dtype``, fp32 or bf16)."""
     out = a.new_empty((offsets.shape[0] - 1, a.shape[1], b.shape[1]), dtype=out_dtype)
-    launch_weight_grad(a, b, offsets, out, accumulate=False, tma_store=tma_store and out_dtype == torch.bfloat16,
-                       num_ctas=num_ctas)
+    launch_weight_grad(a, b, offsets, out, counts=counts, accumulate=False,
+                       tma_store=tma_store and out_dtype == torch.bfloat16, num_ctas=num_ctas)
     return out
 
 
 @gemm_weight_grad_op.register_fake
-def _(a, b, offsets, out_dtype, tma_store, num_ctas):
+def _(a, b, offsets, out_dtype, tma_store, num_ctas, counts=None):
     return a.new_empty((offsets.shape[0] - 1, a.shape[1], b.shape[1]), dtype=out_dtype)
 
 
 @mok_op("mok::gemm_weight_grad_accumulate", mutates_args=("main_grad",))
 def gemm_weight_grad_accumulate_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-                                   main_grad: torch.Tensor, num_ctas: int) -> None:
+                                   main_grad: torch.Tensor, num_ctas: int,
+                                   counts: Optional[torch.Tensor] = None) -> None:
     """main_grad[e] += a_e^T b_e per expert (fp32 [L, M, N], e.g. Megatron's main_grad)."""
-    launch_weight_grad(a, b, offsets, main_grad, accumulate=True, num_ctas=num_ctas)
+    launch_weight_grad(a, b, offsets, main_grad, counts=counts, accumulate=True, num_ctas=num_ctas)
 
 
 @gemm_weight_grad_accumulate_op.register_fake
-def _(a, b, offsets, main_grad, num_ctas) -> None:
+def _(a, b, offsets, main_grad, num_ctas, counts=None) -> None:
     return None
 
 
@@ -541,15 +594,31 @@ def _(a, b, offsets, main_grad, num_ctas) -> None:
 def gemm_weight_grad_rows_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
                              row0: int, row1: int, carry_in: Optional[torch.Tensor],
                              carry_out: Optional[torch.Tensor], accumulate: bool, tma_store: bool,
-                             num_ctas: int) -> None:
+                             num_ctas: int, counts: Optional[torch.Tensor] = None) -> None:
     """The weight gradients over the layout rows [row0, row1) into ``out`` (and ``carry_out``);
     see :func:`weight_grad_rows`."""
-    launch_weight_grad(a, b, offsets, out, accumulate=accumulate, tma_store=tma_store, num_ctas=num_ctas,
-                       row0=row0, row1=row1, carry_in=carry_in, carry_out=carry_out)
+    launch_weight_grad(a, b, offsets, out, counts=counts, accumulate=accumulate, tma_store=tma_store,
+                       num_ctas=num_ctas, row0=row0, row1=row1, carry_in=carry_in, carry_out=carry_out)
+
+
+@mok_op("mok::gemm_weight_grad_into", mutates_args=("outs", "carry_out"))
+def gemm_weight_grad_into_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, outs: List[torch.Tensor],
+                             row0: int, row1: int, carry_in: Optional[torch.Tensor],
+                             carry_out: Optional[torch.Tensor], num_ctas: int,
+                             counts: Optional[torch.Tensor] = None) -> None:
+    """outs[e] += a_e^T b_e (fp32 per-expert tensors, through their address table) over the
+    layout rows [row0, row1); see :func:`weight_grad_into`."""
+    launch_weight_grad(a, b, offsets, None, counts=counts, accumulate=True, tma_store=False, num_ctas=num_ctas,
+                       row0=row0, row1=row1, carry_in=carry_in, carry_out=carry_out, out_table=expert_table(outs))
+
+
+@gemm_weight_grad_into_op.register_fake
+def _(a, b, offsets, outs, row0, row1, carry_in, carry_out, num_ctas, counts=None) -> None:
+    return None
 
 
 @gemm_weight_grad_rows_op.register_fake
-def _(a, b, offsets, out, row0, row1, carry_in, carry_out, accumulate, tma_store, num_ctas) -> None:
+def _(a, b, offsets, out, row0, row1, carry_in, carry_out, accumulate, tma_store, num_ctas, counts=None) -> None:
     return None
 
 
@@ -682,9 +751,9 @@ def fc1_dgrad(dgu: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor
     return gemm_fc1_dgrad_op(dgu, fc1_weight, offsets, list(_vargs(v)), num_ctas)
 
 
-def weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
-                main_grad: Optional[torch.Tensor] = None, tma_store: Optional[bool] = None,
-                num_ctas: int = 0) -> torch.Tensor:
+def weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, counts: Optional[torch.Tensor] = None, *,
+                out_dtype: torch.dtype = torch.float32, main_grad: Optional[torch.Tensor] = None,
+                tma_store: Optional[bool] = None, num_ctas: int = 0) -> torch.Tensor:
     """Weight gradient of every local expert: out[e] = a[rows of e]^T b[rows of e].
 
     fc1: ``weight_grad(dgu, x, offsets)`` -> [L, 2I, H]; fc2: ``weight_grad(dy, h, offsets)``
@@ -692,6 +761,9 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, out_
 
     Args:
         a: bf16 [R, M]. b: bf16 [R, N]. offsets: int32 [L + 1] on the device, multiples of 64.
+        counts: int32 [L] on the device, the real rows of each expert (rows past them in its
+            segment are zeros): the K loop skips the 64-row blocks of padding past the last real
+            row (at ~170 rows per expert in 128-row segments, a quarter of them). None: every row.
         out_dtype: fp32 or bf16 for a new output. main_grad: fp32 [L, M, N] to accumulate into
         (Megatron's ``main_grad``); it is returned. tma_store: staged TMA stores for a bf16
         output (default :data:`WGRAD_TMA_STORE`). num_ctas: 0 = one per SM.
@@ -702,19 +774,20 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, out_
     if main_grad is not None:
         if main_grad.dtype != torch.float32:
             _fail(f"main_grad must be fp32 to accumulate into, got {main_grad.dtype}")
-        check_weight_grad(a, b, offsets, main_grad)
-        gemm_weight_grad_accumulate_op(a, b, offsets, main_grad, num_ctas)
+        check_weight_grad(a, b, offsets, main_grad, counts)
+        gemm_weight_grad_accumulate_op(a, b, offsets, main_grad, num_ctas, counts)
         return main_grad
     if out_dtype not in (torch.float32, torch.bfloat16):
         _fail(f"out_dtype must be fp32 or bf16, got {out_dtype}")
-    check_weight_grad(a, b, offsets)
+    check_weight_grad(a, b, offsets, None, counts)
     tma = WGRAD_TMA_STORE if tma_store is None else bool(tma_store)
-    return gemm_weight_grad_op(a, b, offsets, out_dtype, tma, num_ctas)
+    return gemm_weight_grad_op(a, b, offsets, out_dtype, tma, num_ctas, counts)
 
 
 def weight_grad_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, *, row0: int,
                      row1: int, carry_in: Optional[torch.Tensor], carry_out: Optional[torch.Tensor],
-                     accumulate: bool = False, tma_store: Optional[bool] = None, num_ctas: int = 0) -> None:
+                     counts: Optional[torch.Tensor] = None, accumulate: bool = False,
+                     tma_store: Optional[bool] = None, num_ctas: int = 0) -> None:
     """The weight gradients of :func:`weight_grad` over one range [row0, row1) of the layout's
     rows, for a caller that walks the layout in chunks and holds one chunk's rows at a time.
 
@@ -730,7 +803,8 @@ def weight_grad_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, ou
     Args:
         a: bf16 [R, M], b: bf16 [R, N]: layout rows row0 .. row0 + R - 1 (row r of the layout is
             row r - row0 of a and b). offsets: int32 [L + 1] on the device, the whole layout's
-            (multiples of 64).
+            (multiples of 64). counts: int32 [L], the whole layout's real rows per expert, or
+            None: as in :func:`weight_grad` (the carries still follow the segments).
         out: [L, M, N], bf16 or fp32 (fp32 with ``accumulate``: out += ..., main_grad).
         row0: a multiple of 64. row1: a multiple of 64 in (row0, row0 + R], or exactly row0 + R
             (every row a and b hold; any R, the form of the last range).
@@ -742,6 +816,191 @@ def weight_grad_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, ou
         accumulate: add into the fp32 ``out``. tma_store: staged TMA stores for a bf16 ``out``
             (default :data:`WGRAD_TMA_STORE`). num_ctas: 0 = one per SM.
     """
-    check_weight_grad_rows(a, b, offsets, out, row0, row1, carry_in, carry_out, accumulate, tma_store)
+    check_weight_grad_rows(a, b, offsets, out, row0, row1, carry_in, carry_out, accumulate, tma_store, counts)
     tma = out.dtype == torch.bfloat16 and (WGRAD_TMA_STORE if tma_store is None else bool(tma_store))
-    gemm_weight_grad_rows_op(a, b, offsets, out, row0, row1, carry_in, carry_out, bool(accumulate), tma, num_ctas)
+    gemm_weight_grad_rows_op(a, b, offsets, out, row0, row1, carry_in, carry_out, bool(accumulate), tma, num_ctas,
+                             counts)
+
+
+def weight_grad_into(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, outs: Sequence[torch.Tensor], *,
+                     counts: Optional[torch.Tensor] = None, row0: int = 0, row1: Optional[int] = None,
+                     carry_in: Optional[torch.Tensor] = None, carry_out: Optional[torch.Tensor] = None,
+                     num_ctas: int = 0) -> None:
+    """Gradient-accumulation fusion: ``outs[e] += a[rows of e]^T b[rows of e]`` in fp32, for
+    per-expert outputs that lie anywhere (Megatron's ``main_grad`` of each expert parameter, which
+    its gradient buffer need not place one after the other). Bitwise what
+    :func:`weight_grad_rows` with ``accumulate=True`` gives into an [L, M, N] tensor holding the
+    same values.
+
+    Args:
+        a: bf16 [R, M], b: bf16 [R, N]: layout rows row0 .. row0 + R - 1.
+        offsets: int32 [L + 1] (the whole layout's). counts: int32 [L] or None, as in
+            :func:`weight_grad`.
+        outs: L contiguous fp32 [M, N] tensors, 16-byte aligned, pairwise disjoint; accumulated into.
+        row0, row1 (None: row0 + R), carry_in, carry_out: a range of the layout's rows and its
+            carries, as in :func:`weight_grad_rows`.
+        num_ctas: 0 = one per SM.
+    """
+    row1 = row0 + a.shape[0] if row1 is None else row1
+    if not isinstance(outs, (list, tuple)):
+        _fail(f"the per-expert outputs must be a list or tuple of tensors, got {type(outs).__name__}")
+    outs = list(outs)
+    check_weight_grad_rows(a, b, offsets, outs, row0, row1, carry_in, carry_out, True, None, counts)
+    gemm_weight_grad_into_op(a, b, offsets, outs, row0, row1, carry_in, carry_out, num_ctas, counts)
+
+
+# ---- row GEMMs that push their output rows home ----------------------------------------------
+# fc2 (forward) and the fc1 data gradient (backward) of the unfused path, whose epilogue stores
+# each output row straight into its (token, slot) row of the home rank's slots (peer memory
+# through the workspace's bases) instead of into [R, H]: bitwise the plain GEMM followed by
+# ``comm.push_rows`` (csrc/include/mok/grouped_gemm.h, mok/gemm/push.cuh).
+
+PUSH_VARIANTS = {kernel: frozenset(v for v in VARIANTS[kernel] if not v.tma_store and not v.multicast)
+                 for kernel in ("fc2", "dgrad")}
+"""Built variants of :func:`fc2_push` ("fc2") and :func:`fc1_dgrad_push` ("dgrad"): the direct-store,
+single-CTA variants of the unfused kernels (a TMA store cannot scatter rows to computed addresses)."""
+
+
+def push_variant(kernel: str, tile_rows: int, block_m: Optional[int] = None, wg_n: Optional[int] = None) -> Variant:
+    """The variant of the pushing ``kernel`` ("fc2" or "dgrad") on a layout padded to
+    ``tile_rows``: the unfused kernel's (:func:`variant`, so the same tile and K loop, hence the
+    same bits) with direct stores and no clusters."""
+    return variant(kernel, tile_rows, block_m, wg_n, tma_store=False, multicast=False)
+
+
+def _check_offset(name: str, value, multiple: int, why: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        _fail(f"{name} must be an int (a byte offset into every rank's workspace region), got {type(value).__name__}")
+    if value < 0 or value % multiple:
+        _fail(f"{name} = {value} must be a non-negative multiple of {multiple} ({why})")
+
+
+def check_push(table, bases, slots_offset, R: int, device, row_scalars=None, scalars_offset=0) -> None:
+    """Validate the push arguments of :func:`fc2_push` / :func:`fc1_dgrad_push` for a layout of
+    ``R`` rows on ``device``."""
+    _check_matrix("table", table, torch.int32, 2, device, align=False)
+    if tuple(table.shape) != (R, 2):
+        _fail(f"table must be int32 [R={R}, 2] (the schedule rows of the GEMM's layout rows: a chunk's slice "
+              f"for a chunk), got {tuple(table.shape)}")
+    if table.device.type == "cuda" and not torch.compiler.is_compiling() and table.data_ptr() % 8:
+        _fail(f"table must start 8-byte aligned (address {table.data_ptr():#x}; its rows are read as int2)")
+    _check_matrix("bases", bases, torch.int64, 1, device, align=False)
+    if bases.numel() < 1:
+        _fail("bases must hold the workspace address of every rank (int64 [P], P >= 1), got none")
+    _check_offset("slots_offset", slots_offset, 16, "the slots are written in 16-byte vectors")
+    if row_scalars is not None:
+        _check_matrix("row_scalars", row_scalars, torch.float32, 1, device, align=False)
+        if row_scalars.numel() != R:
+            _fail(f"row_scalars must have one entry per row (R = {R}), got {row_scalars.numel()}")
+        _check_offset("scalars_offset", scalars_offset, 4, "fp32 scalar slots")
+
+
+def check_fc2_push(h, fc2_weight, offsets, table, bases, slots_offset, tile_rows, block_m=None,
+                   wg_n=None) -> Variant:
+    """Validate :func:`fc2_push`'s arguments (before any GPU work); returns the variant
+    (:func:`push_variant`)."""
+    v = check_fc2(h, fc2_weight, offsets, tile_rows, block_m, wg_n, tma_store=False, multicast=False)
+    check_push(table, bases, slots_offset, h.shape[0], h.device)
+    return v
+
+
+def check_fc1_dgrad_push(dgu, fc1_weight, offsets, table, bases, slots_offset, row_scalars, scalars_offset,
+                         tile_rows, block_m=None, wg_n=None) -> Variant:
+    """Validate :func:`fc1_dgrad_push`'s arguments (before any GPU work); returns the variant."""
+    v = check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m, wg_n, tma_store=False, multicast=False)
+    check_push(table, bases, slots_offset, dgu.shape[0], dgu.device, row_scalars, scalars_offset)
+    return v
+
+
+def launch_fc2_push(h, fc2_weight, offsets, table, bases, slots_offset: int, *, variant: Variant,
+                    num_ctas: int = 0) -> None:
+    """Run fc2 with its rows pushed home (``variant``: a :data:`PUSH_VARIANTS` entry)."""
+    lib, fns = _lib()
+    R, I = h.shape
+    L, H, _ = fc2_weight.shape
+    code = fns["fc2_push"](ptr(h), ptr(fc2_weight), ptr(offsets), ptr(table), ptr(bases), int(slots_offset), R, L,
+                           H, I, int(variant.block_m), int(variant.wg_n), num_ctas, stream_of(h))
+    lib.check(code, "mok_gemm_fc2_push")
+
+
+def launch_fc1_dgrad_push(dgu, fc1_weight, offsets, table, bases, slots_offset: int, row_scalars,
+                          scalars_offset: int, *, variant: Variant, num_ctas: int = 0) -> None:
+    """Run the fc1 data gradient with its rows (and ``row_scalars``, if not None) pushed home."""
+    lib, fns = _lib()
+    R, two_i = dgu.shape
+    L, _, H = fc1_weight.shape
+    code = fns["fc1_dgrad_push"](ptr(dgu), ptr(fc1_weight), ptr(offsets), ptr(table), ptr(bases), int(slots_offset),
+                                 ptr(row_scalars), int(scalars_offset), R, L, H, two_i // 2, int(variant.block_m),
+                                 int(variant.wg_n), num_ctas, stream_of(dgu))
+    lib.check(code, "mok_gemm_fc1_dgrad_push")
+
+
+# Writes through raw peer addresses: torch cannot see what they mutate ("unknown"), as comm.push_rows.
+@mok_op("mok::gemm_fc2_push", mutates_args="unknown")
+def gemm_fc2_push_op(h: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor,
+                     bases: torch.Tensor, slots_offset: int, variant: List[int], num_ctas: int) -> None:
+    """fc2 with its rows pushed home; see :func:`fc2_push`."""
+    launch_fc2_push(h, fc2_weight, offsets, table, bases, slots_offset, variant=Variant(*variant), num_ctas=num_ctas)
+
+
+@gemm_fc2_push_op.register_fake
+def _(h, fc2_weight, offsets, table, bases, slots_offset, variant, num_ctas) -> None:
+    return None
+
+
+@mok_op("mok::gemm_fc1_dgrad_push", mutates_args="unknown")
+def gemm_fc1_dgrad_push_op(dgu: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor,
+                           bases: torch.Tensor, slots_offset: int, row_scalars: Optional[torch.Tensor],
+                           scalars_offset: int, variant: List[int], num_ctas: int) -> None:
+    """The fc1 data gradient with its rows pushed home; see :func:`fc1_dgrad_push`."""
+    launch_fc1_dgrad_push(dgu, fc1_weight, offsets, table, bases, slots_offset, row_scalars, scalars_offset,
+                          variant=Variant(*variant), num_ctas=num_ctas)
+
+
+@gemm_fc1_dgrad_push_op.register_fake
+def _(dgu, fc1_weight, offsets, table, bases, slots_offset, row_scalars, scalars_offset, variant, num_ctas) -> None:
+    return None
+
+
+def fc2_push(h: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor,
+             bases: torch.Tensor, slots_offset: int, *, tile_rows: int = 128, block_m: Optional[int] = None,
+             wg_n: Optional[int] = None, num_ctas: int = 0) -> None:
+    """fc2 of every local expert, y[r] = h[r] D_e^T, each row pushed to its (token, slot) row on
+    its home rank instead of returned: bitwise :func:`fc2` then ``comm.push_rows(bases,
+    slots_offset, 0, table, offsets, K, y, None, 0)``.
+
+    Args:
+        h: bf16 [R, I]. fc2_weight: bf16 [L, H, I] (a weight segment: offsets and its experts'
+            rows from its first expert on). offsets: int32 [L + 1] on the device, multiples of
+            ``tile_rows``.
+        table: int32 [R, 2], the schedule rows of the layout rows (source rank or -1 for padding,
+            token * K + slot); for a chunk of the layout, the chunk's slice with chunk-relative
+            offsets (``functional.training.chunk_layout``).
+        bases: int64 [P] device addresses of every rank's workspace region. slots_offset: byte
+            offset of the bf16 slots [T_cap, K, H] in a region (a multiple of 16).
+        tile_rows, block_m, wg_n, num_ctas: as in :func:`fc2` (:func:`push_variant`: direct
+            stores, no multicast).
+    """
+    v = check_fc2_push(h, fc2_weight, offsets, table, bases, slots_offset, tile_rows, block_m, wg_n)
+    gemm_fc2_push_op(h, fc2_weight, offsets, table, bases, int(slots_offset), list(_vargs(v)), num_ctas)
+
+
+def fc1_dgrad_push(dgu: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor,
+                   bases: torch.Tensor, slots_offset: int, row_scalars: Optional[torch.Tensor] = None,
+                   scalars_offset: int = 0, *, tile_rows: int = 128, block_m: Optional[int] = None,
+                   wg_n: Optional[int] = None, num_ctas: int = 0) -> None:
+    """The fc1 data gradient, dx[r] = dgu[r] W1_e, each row pushed to its (token, slot) row on its
+    home rank, and with ``row_scalars`` each row's fp32 value (the router-weight gradient) to its
+    scalar slot: bitwise :func:`fc1_dgrad` then ``comm.push_rows(bases, slots_offset,
+    scalars_offset, table, offsets, K, dx, row_scalars, 0)``.
+
+    Args:
+        dgu: bf16 [R, 2I]. fc1_weight: bf16 [L, 2I, H]. offsets, table, bases, slots_offset: as
+            in :func:`fc2_push`. row_scalars: fp32 [R] or None. scalars_offset: byte offset of
+            the fp32 scalar slots [T_cap, K] in a region (a multiple of 4; with row_scalars).
+        tile_rows, block_m, wg_n, num_ctas: as in :func:`fc1_dgrad` (direct stores, no multicast).
+    """
+    v = check_fc1_dgrad_push(dgu, fc1_weight, offsets, table, bases, slots_offset, row_scalars, scalars_offset,
+                             tile_rows, block_m, wg_n)
+    gemm_fc1_dgrad_push_op(dgu, fc1_weight, offsets, table, bases, int(slots_offset), row_scalars,
+                           int(scalars_offset), list(_vargs(v)), num_ctas)

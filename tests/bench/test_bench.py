@@ -761,3 +761,55 @@ def test_megatron_expert_module_follows_transformer_engine(monkeypatch):
         megatron_layer.expert_module_kind("te-grouped", gpu)
     assert report._layer_row({"backend": "megatron-alltoall", "expert_module": "TEGroupedMLP", "status": "skipped",
                               "reason": "x"})[0] == "megatron-alltoall [TEGroupedMLP]"
+
+
+def test_main_grad_mode_accumulates_into_ddp_laid_out_buffers():
+    """--main-grad: the buffers lie as Megatron's DDP lays out SequentialMLP's (one allocation,
+    expert L-1 first, each expert's fc1 then fc2); a MoK runner accumulates into them inside its
+    backward, and a runner that returns bf16 gradients adds them in after_backward (DDP's add):
+    both give main_grad = the gradient the plain run leaves on the weights, and no weight
+    gradient is left behind. The backward floor counts main_grad read and written in fp32."""
+    from megatron_mok.bench.backends import Experts, Runner, TokenBatch, main_grad_buffers, make_runner
+
+    gen = torch.Generator().manual_seed(3)
+    L, H, I, T, K = 3, 16, 8, 20, 2
+    fc1 = torch.randn(L, 2 * I, H, generator=gen).requires_grad_()
+    fc2 = torch.randn(L, H, I, generator=gen).requires_grad_()
+    mains = main_grad_buffers(fc1, fc2)
+    base = mains[0][L - 1].data_ptr()
+    for e in range(L):
+        assert mains[0][e].data_ptr() == base + 4 * (L - 1 - e) * (2 * I * H + H * I)
+        assert mains[1][e].data_ptr() == mains[0][e].data_ptr() + 4 * 2 * I * H
+        assert mains[0][e].dtype == torch.float32 and not mains[0][e].any()
+    ids = torch.randint(0, L, (T, K), generator=gen)
+    batch = TokenBatch(x=torch.randn(T, H, generator=gen).requires_grad_(), topk_ids=ids,
+                       topk_weights=torch.rand(T, K, generator=gen).requires_grad_(), dy=torch.randn(T, H, generator=gen))
+
+    plain = make_runner("reference", Experts(fc1, fc2, L, None), K, T)
+    plain.forward(batch).backward(batch.dy)
+    want1, want2 = fc1.grad.clone(), fc2.grad.clone()
+    plain.zero_grad(batch)
+
+    fused = make_runner("reference", Experts(fc1, fc2, L, None, main_grads=mains), K, T)
+    fused.forward(batch).backward(batch.dy)
+    fused.after_backward(batch)
+    assert fc1.grad is None and fc2.grad is None
+    assert torch.equal(torch.stack(mains[0]), want1) and torch.equal(torch.stack(mains[1]), want2)
+
+    class BF16Grads(Runner):  # what a baseline leaves: gradients on the leaves
+        def __init__(self, experts):
+            self.experts = experts
+        forward = grads = zero_grad = grad_tensors = None
+
+    for b in mains[0] + mains[1]:
+        b.zero_()
+    fc1.grad, fc2.grad = want1.clone(), want2.clone()
+    BF16Grads(Experts(fc1, fc2, L, None, main_grads=mains)).after_backward(batch)
+    assert fc1.grad is None and fc2.grad is None
+    assert torch.equal(torch.stack(mains[0]), want1) and torch.equal(torch.stack(mains[1]), want2)
+
+    from megatron_mok.bench.floors import hbm_bytes
+    kw = dict(hidden=H, ffn_hidden=I, experts=L, tokens=T, sent=T * K, received=T * K, backward=True)
+    plain_b, fused_b = hbm_bytes(**kw), hbm_bytes(**kw, main_grad=True)
+    assert fused_b["main_grad_read"] == fused_b["main_grad_write"] == 2 * plain_b["weight_grads_write"]
+    assert "weight_grads_write" not in fused_b

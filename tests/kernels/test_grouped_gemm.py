@@ -64,12 +64,12 @@ def test_c_abi_rejects_bad_arguments_before_any_launch(built_library):
     assert fc1(p, p, p, p, None, p, None, 256, 4, 1024, 512, 64, 256, 0, 1, 0, None) == MOK_ERR_UNSUPPORTED
     # too many experts
     assert fc1(p, p, p, p, None, p, None, 256, 5000, 1024, 512, 128, 256, 0, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
-    wgrad = lib.function("mok_gemm_weight_grad", i, [v, v, v, v, i, i, i, i64, i, i, i, i64, i64, v, v, i, v])
-    assert wgrad(p, p, p, p, 0, 0, 0, 256, 4, 100, 256, 0, 256, None, None, 0, None) == \
+    wgrad = lib.function("mok_gemm_weight_grad", i, [v, v, v, v, v, v, i, i, i, i64, i, i, i, i64, i64, v, v, i, v])
+    assert wgrad(p, p, p, p, p, None, 0, 0, 0, 256, 4, 100, 256, 0, 256, None, None, 0, None) == \
         MOK_ERR_INVALID_ARGUMENT  # M % 128
-    assert wgrad(p, p, p, p, 1, 1, 0, 256, 4, 128, 256, 0, 256, None, None, 0, None) == \
+    assert wgrad(p, p, p, p, p, None, 1, 1, 0, 256, 4, 128, 256, 0, 256, None, None, 0, None) == \
         MOK_ERR_INVALID_ARGUMENT  # bf16 + accumulate
-    assert wgrad(p, p, p, p, 0, 0, 1, 256, 4, 128, 256, 0, 256, None, None, 0, None) == \
+    assert wgrad(p, p, p, p, p, None, 0, 0, 1, 256, 4, 128, 256, 0, 256, None, None, 0, None) == \
         MOK_ERR_INVALID_ARGUMENT  # staged fp32
     dgrad = lib.function("mok_gemm_fc2_dgrad_swiglu", i, [v] * 10 + [i64, i, i, i, i, i, i, v])
     # a router weight without the buffers for its gradient
@@ -90,7 +90,8 @@ def test_python_signatures_match_the_c_abi(built_library, monkeypatch):
     lib, fns = gg._lib()
     names = {"fc1": "mok_gemm_fc1_swiglu", "fc2": "mok_gemm_fc2", "scratch": "mok_gemm_fc2_dgrad_scratch_floats",
              "fc2_dgrad_swiglu": "mok_gemm_fc2_dgrad_swiglu", "fc2_dgrad": "mok_gemm_fc2_dgrad",
-             "fc1_dgrad": "mok_gemm_fc1_dgrad", "wgrad": "mok_gemm_weight_grad"}
+             "fc1_dgrad": "mok_gemm_fc1_dgrad", "wgrad": "mok_gemm_weight_grad", "fc2_push": "mok_gemm_fc2_push",
+             "fc1_dgrad_push": "mok_gemm_fc1_dgrad_push"}
     assert set(names.values()) == set(arity), sorted(arity)
     for key, name in names.items():
         assert len(fns[key].argtypes) == arity[name], name
@@ -101,9 +102,12 @@ def test_python_signatures_match_the_c_abi(built_library, monkeypatch):
                                    None) == MOK_ERR_INVALID_ARGUMENT
     for key in ("fc2_dgrad", "fc1_dgrad"):
         assert fns[key](p, p, p, p, 256, 0, 1024, 512, 128, 256, 1, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
-    assert fns["wgrad"](p, p, p, p, 0, 0, 0, 256, 0, 128, 256, 0, 256, None, None, 0, None) == \
+    assert fns["wgrad"](p, p, p, p, p, None, 0, 0, 0, 256, 0, 128, 256, 0, 256, None, None, 0, None) == \
         MOK_ERR_INVALID_ARGUMENT
     assert fns["scratch"](100, 512) == 200
+    assert fns["fc2_push"](p, p, p, p, p, 0, 256, 0, 1024, 512, 128, 256, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    assert fns["fc1_dgrad_push"](p, p, p, p, p, 0, None, 0, 256, 0, 1024, 512, 128, 256, 0, None) == \
+        MOK_ERR_INVALID_ARGUMENT
 
 
 def _cpu_args(R=256, L=4, H=1024, I=512):
@@ -203,11 +207,11 @@ def test_wrappers_pass_sizes_and_variant_through(monkeypatch):
     assert gg.fc1_dgrad(dgu, w1, offsets).shape == (384, 1024)
     assert calls["fc1_dgrad"][4:8] == (384, 4, 1024, 512)
     assert gg.weight_grad(dgu, x, offsets).dtype == torch.float32
-    assert calls["wgrad"][4:11] == (0, 0, 0, 384, 4, 1024, 1024)
-    assert gg.weight_grad(y, h, offsets, out_dtype=torch.bfloat16).shape == (4, 1024, 512)
-    assert calls["wgrad"][4:7] == (1, 0, int(gg.WGRAD_TMA_STORE))
+    assert calls["wgrad"][6:13] == (0, 0, 0, 384, 4, 1024, 1024)
+    assert gg.weight_grad(y, h, offsets, counts, out_dtype=torch.bfloat16).shape == (4, 1024, 512)
+    assert calls["wgrad"][6:9] == (1, 0, int(gg.WGRAD_TMA_STORE))
     main = torch.zeros(4, 1024, 512)
-    assert gg.weight_grad(y, h, offsets, main_grad=main) is main and calls["wgrad"][4:7] == (0, 1, 0)
+    assert gg.weight_grad(y, h, offsets, main_grad=main) is main and calls["wgrad"][6:9] == (0, 1, 0)
 
 
 def test_fake_impls_give_shapes():

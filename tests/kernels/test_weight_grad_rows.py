@@ -7,7 +7,9 @@ has a fake and traces under torch.compile. GPU: walking the layout range by rang
 partitions at multiples of 64 rows, gives out bitwise equal to the whole-layout call, in every
 epilogue (bf16 direct and TMA-staged, fp32, fp32 accumulated into a non-zero main_grad); every
 call leaves the experts it does not own untouched, never reads a's and b's rows past row1, and
-after the last range every element is written.
+after the last range every element is written. With the experts' real-row counts, the 64-row
+blocks of padding past an expert's last real row are never read (NaN there changes nothing) and
+the result is bitwise the one that reads them.
 """
 
 from __future__ import annotations
@@ -118,12 +120,12 @@ def test_valid_ranges_pass_the_checks():
 def test_c_abi_rejects_bad_ranges_before_any_launch(lib):
     """These return before any CUDA call, so they run without a GPU."""
     i, i64, v = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    wgrad = lib.function("mok_gemm_weight_grad", i, [v, v, v, v, i, i, i, i64, i, i, i, i64, i64, v, v, i, v])
+    wgrad = lib.function("mok_gemm_weight_grad", i, [v, v, v, v, v, v, i, i, i, i64, i, i, i, i64, i64, v, v, i, v])
     p = ctypes.c_void_p(0x10000)  # never dereferenced: the checks fail first
     c1, c2 = ctypes.c_void_p(0x100000), ctypes.c_void_p(0x900000)  # [M, N] fp32 = 512 KiB apart
 
     def call(rows_cap, row0, row1, cin, cout):
-        return wgrad(p, p, p, p, 1, 0, 0, rows_cap, 4, M, N, row0, row1, cin, cout, 0, None)
+        return wgrad(p, p, p, p, p, None, 1, 0, 0, rows_cap, 4, M, N, row0, row1, cin, cout, 0, None)
 
     bad = {
         "row0 not a multiple of 64": call(256, 32, 288, c1, None),
@@ -137,6 +139,10 @@ def test_c_abi_rejects_bad_ranges_before_any_launch(lib):
         "overlapping carries": call(256, 64, 320, c1, ctypes.c_void_p(0x100000 + 4096)),
         "misaligned carry_out": call(256, 0, 256, None, ctypes.c_void_p(0x900008)),
         "rows past 2^31": call(256, 2 ** 31 - 128, 2 ** 31 + 128, c1, None),
+        "an out table without accumulate": wgrad(p, p, p, p, None, p, 0, 0, 0, 256, 4, M, N, 0, 256, None, None, 0,
+                                                 None),
+        "an out table with tma_store": wgrad(p, p, p, p, None, p, 0, 1, 1, 256, 4, M, N, 0, 256, None, None, 0, None),
+        "neither out nor a table": wgrad(p, p, p, p, None, None, 0, 1, 0, 256, 4, M, N, 0, 256, None, None, 0, None),
     }
     assert all(code == MOK_ERR_INVALID_ARGUMENT for code in bad.values()), bad
 
@@ -163,24 +169,43 @@ def _recorder(monkeypatch):
 
 def test_wrappers_pass_the_range_through(monkeypatch):
     """weight_grad runs the whole layout (row0 0, row1 R, no carries); weight_grad_rows hands
-    over its range, carries and epilogue. Argument 4 on: out_bf16, accumulate, tma_store,
-    rows_cap, L, M, N, row0, row1, carry_in, carry_out, num_ctas."""
+    over its range, carries and epilogue. Arguments: a, b, offsets, counts, out, out_table, then
+    (6 on) out_bf16, accumulate, tma_store, rows_cap, L, M, N, row0, row1, carry_in, carry_out,
+    num_ctas."""
     calls = _recorder(monkeypatch)
     a, b, offsets, out = _cpu_args(R=200)
     gg.weight_grad(a, b, offsets, out_dtype=torch.bfloat16)
-    assert calls[-1][4:16] == (1, 0, int(gg.WGRAD_TMA_STORE), 200, 4, M, N, 0, 200, None, None, 0)
+    assert calls[-1][6:18] == (1, 0, int(gg.WGRAD_TMA_STORE), 200, 4, M, N, 0, 200, None, None, 0)
     main = torch.zeros(4, M, N)
     gg.weight_grad(a, b, offsets, main_grad=main, num_ctas=5)
-    assert calls[-1][4:16] == (0, 1, 0, 200, 4, M, N, 0, 200, None, None, 5)
+    assert calls[-1][6:18] == (0, 1, 0, 200, 4, M, N, 0, 200, None, None, 5)
     cin, cout = _carry(), _carry()
     gg.weight_grad_rows(a, b, offsets, out, row0=1024, row1=1152, carry_in=cin, carry_out=cout, tma_store=False,
                         num_ctas=7)
-    assert calls[-1][4:16] == (1, 0, 0, 200, 4, M, N, 1024, 1152, cin.data_ptr(), cout.data_ptr(), 7)
+    assert calls[-1][6:18] == (1, 0, 0, 200, 4, M, N, 1024, 1152, cin.data_ptr(), cout.data_ptr(), 7)
     gg.weight_grad_rows(a, b, offsets, main, row0=1024, row1=1224, carry_in=cin, carry_out=None, accumulate=True)
-    assert calls[-1][4:16] == (0, 1, 0, 200, 4, M, N, 1024, 1224, cin.data_ptr(), None, 0)
+    assert calls[-1][6:18] == (0, 1, 0, 200, 4, M, N, 1024, 1224, cin.data_ptr(), None, 0)
     gg.weight_grad_rows(a, b, offsets, out, row0=0, row1=128, carry_in=None, carry_out=cout)
-    assert calls[-1][4:16] == (1, 0, int(gg.WGRAD_TMA_STORE), 200, 4, M, N, 0, 128, None, cout.data_ptr(), 0)
-    assert all(args[:4] == (a.data_ptr(), b.data_ptr(), offsets.data_ptr(), args[3]) for args in calls)
+    assert calls[-1][6:18] == (1, 0, int(gg.WGRAD_TMA_STORE), 200, 4, M, N, 0, 128, None, cout.data_ptr(), 0)
+    assert all(args[:4] == (a.data_ptr(), b.data_ptr(), offsets.data_ptr(), None) for args in calls)
+    counts = torch.zeros(4, dtype=torch.int32)
+    gg.weight_grad_rows(a, b, offsets, out, row0=0, row1=128, carry_in=None, carry_out=cout, counts=counts)
+    assert calls[-1][3] == counts.data_ptr()
+    gg.weight_grad(a, b, offsets, counts, out_dtype=torch.bfloat16)
+    assert calls[-1][3] == counts.data_ptr()
+    gg.weight_grad(a, b, offsets, counts, main_grad=main)
+    assert calls[-1][3] == counts.data_ptr()
+
+
+def test_bad_counts_are_rejected_before_the_library(monkeypatch):
+    _no_library(monkeypatch)
+    a, b, offsets, out = _cpu_args()
+    for counts, why in ((torch.zeros(3, dtype=torch.int32), "counts must have L = 4 entries"),
+                        (torch.zeros(4, dtype=torch.int64), "counts")):
+        with pytest.raises(ValueError, match=why):
+            gg.weight_grad_rows(a, b, offsets, out, row0=0, row1=256, carry_in=None, carry_out=None, counts=counts)
+        with pytest.raises(ValueError, match=why):
+            gg.weight_grad(a, b, offsets, counts)
 
 
 def test_op_is_registered_with_its_mutations_and_a_fake():
@@ -210,7 +235,7 @@ def test_the_wrapper_traces_under_compile(monkeypatch):
     torch._dynamo.reset()
     compiled = torch.compile(two_ranges, fullgraph=True, backend="aot_eager")
     compiled(a, b, offsets, out, c0, c1)
-    ranges = [(args[11], args[12]) for args in calls]
+    ranges = [(args[13], args[14]) for args in calls]
     assert ranges == [(0, 128), (128, 256)], ranges
 
 
@@ -246,6 +271,15 @@ class _Layout:
             real[self.offsets[l]:self.offsets[l] + c] = True
         self.a = torch.randn(self.R, M, device="cuda").bfloat16() * real[:, None]
         self.b = torch.randn(self.R, N, device="cuda").bfloat16() * real[:, None]
+        self.counts_d = torch.tensor(COUNTS, dtype=torch.int32, device="cuda")
+        # The same with NaN in each segment's 64-row blocks past its last real row (the blocks a
+        # K loop given the counts skips); rows of zeros stay in the block of the last real row.
+        skipped = torch.zeros(self.R, dtype=torch.bool, device="cuda")
+        for l, c in enumerate(COUNTS):
+            skipped[self.offsets[l] + -(-c // 64) * 64:self.offsets[l + 1]] = True
+        self.skipped_rows = int(skipped.sum())
+        self.a_nan = self.a.masked_fill(skipped[:, None], float("nan"))
+        self.b_nan = self.b.masked_fill(skipped[:, None], float("nan"))
 
     def partitions(self, rng):
         """name -> the range bounds [0, ..., R]: inner bounds multiples of 64 below R_pad (every
@@ -306,7 +340,9 @@ def _out(lay, mode, base):
                       device="cuda")
 
 
-def _run_ranges(lay, bounds, mode, base, num_ctas, seed, name):
+def _run_ranges(lay, bounds, mode, base, num_ctas, seed, name, a=None, b=None, counts=None):
+    a = lay.a if a is None else a
+    b = lay.b if b is None else b
     out = _out(lay, mode, base)
     carries = [torch.full((M, N), float("nan"), device="cuda") for _ in range(2)]
     accumulate = mode == "accumulate"
@@ -317,9 +353,9 @@ def _run_ranges(lay, bounds, mode, base, num_ctas, seed, name):
         if carry_out is not None:
             carry_out.fill_(float("nan"))  # a carry is read only where this call wrote it
         before = out.clone()
-        gg.weight_grad_rows(_chunk(lay.a, row0, row1, last), _chunk(lay.b, row0, row1, last), lay.offsets_d, out,
-                            row0=row0, row1=row1, carry_in=carry_in, carry_out=carry_out, accumulate=accumulate,
-                            tma_store=_tma(mode), num_ctas=num_ctas)
+        gg.weight_grad_rows(_chunk(a, row0, row1, last), _chunk(b, row0, row1, last), lay.offsets_d, out,
+                            row0=row0, row1=row1, carry_in=carry_in, carry_out=carry_out, counts=counts,
+                            accumulate=accumulate, tma_store=_tma(mode), num_ctas=num_ctas)
         owned = lay.owns(row0, row1, carry_out is not None, accumulate)
         for l in range(lay.L):
             if l not in owned:
@@ -367,3 +403,122 @@ def test_ranges_with_carries_are_bitwise_the_whole_layout(tile, mode):
                 bad = [l for l in range(lay.L) if not _same_bits(out[l], whole[l])]
                 raise AssertionError(f"{label}: differs from the whole-layout call on experts {bad} "
                                      f"(bounds {bounds}, seed {seed})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_padding_blocks_past_the_last_real_row_are_skipped(mode):
+    """With the counts, NaN in the 64-row blocks past each expert's last real row (128-row
+    segments: experts of 1, 63, 64, 130 and 700 rows have one) changes nothing: the whole-layout
+    call and every partition into ranges are bitwise the call that reads zeros there. Without
+    the counts the same NaN reaches the output, so the blocks really are skipped."""
+    seed = _seed()
+    rng = random.Random(seed)
+    lay = _Layout(128)
+    assert lay.skipped_rows >= 5 * 64, lay.skipped_rows
+    base = torch.randn(lay.L, M, N, device="cuda") if mode == "accumulate" else None
+    dtype = torch.float32 if mode in ("fp32", "accumulate") else torch.bfloat16
+
+    def whole(a, b, counts):
+        if mode == "accumulate":
+            out = base.clone()
+            gg.weight_grad(a, b, lay.offsets_d, counts, main_grad=out)
+            return out
+        return gg.weight_grad(a, b, lay.offsets_d, counts, out_dtype=dtype, tma_store=_tma(mode))
+
+    want = whole(lay.a, lay.b, None)
+    got = whole(lay.a_nan, lay.b_nan, lay.counts_d)
+    torch.cuda.synchronize()
+    assert not torch.isnan(want).any() and not torch.isnan(got).any(), f"{mode}: NaN in the output (seed {seed})"
+    assert _same_bits(got, want), f"{mode}: skipping padding blocks changed bits (seed {seed})"
+    assert torch.isnan(whole(lay.a_nan, lay.b_nan, None)).any(), "without counts the padding blocks are read"
+    for num_ctas in (0, 3):
+        for name, bounds in lay.partitions(rng).items():
+            label = f"{mode}, ctas {num_ctas}, ranges {name}, counts"
+            out = _run_ranges(lay, bounds, mode, base, num_ctas, seed, label, lay.a_nan, lay.b_nan, lay.counts_d)
+            assert _same_bits(out, want), f"{label}: differs from the whole layout read in full (seed {seed})"
+
+
+# ---- per-expert outputs (gradient-accumulation fusion into main_grad) --------------------------
+
+def test_per_expert_outputs_are_checked_before_the_library(monkeypatch):
+    _no_library(monkeypatch)
+    a, b, offsets, _ = _cpu_args()
+    good = [torch.zeros(M, N) for _ in range(4)]
+    buf = torch.zeros(5 * M * N)
+    bad = {
+        "a list or tuple of tensors": good[0],
+        "3 per-expert outputs for L = 4": good[:3],
+        "must be fp32": good[:3] + [torch.zeros(M, N, dtype=torch.bfloat16)],
+        "must be fp32 \\[256, 512\\]": good[:3] + [torch.zeros(N, M)],
+        "contiguous": good[:3] + [torch.zeros(N, M).t()],
+        "16-byte aligned": good[:3] + [buf[1:1 + M * N].view(M, N)],
+        "overlap": good[:2] + [buf[:M * N].view(M, N), buf[M * N // 2:M * N // 2 + M * N].view(M, N)],
+    }
+    for why, outs in bad.items():
+        with pytest.raises(ValueError, match=why):
+            gg.weight_grad_into(a, b, offsets, outs)
+    with pytest.raises(ValueError, match="carry_out must not overlap out"):
+        gg.weight_grad_into(a, b, offsets, good, row0=0, row1=128, carry_out=good[2])
+
+
+def test_per_expert_outputs_reach_the_c_abi_as_a_table(monkeypatch):
+    """out is NULL, the table holds the outputs' addresses in expert order, accumulate is on and
+    tma_store off; the same outputs reuse one cached table."""
+    calls = _recorder(monkeypatch)
+    a, b, offsets, _ = _cpu_args(R=200)
+    outs = [torch.zeros(M, N) for _ in range(4)][::-1]
+    tables = []
+    monkeypatch.setattr(gg, "expert_table", lambda o: tables.append([t.data_ptr() for t in o]) or torch.zeros(4))
+    gg.weight_grad_into(a, b, offsets, outs, counts=torch.zeros(4, dtype=torch.int32), num_ctas=3)
+    args = calls[-1]
+    assert args[4] is None and args[5] is not None and args[6:9] == (0, 1, 0), args
+    assert args[9:17] == (200, 4, M, N, 0, 200, None, None) and args[-2] == 3
+    assert tables == [[t.data_ptr() for t in outs]]
+
+
+def test_expert_table_is_cached_by_address():
+    outs = [torch.zeros(4) for _ in range(3)]
+    t1 = gg.expert_table(outs)
+    assert t1.dtype == torch.int64 and t1.tolist() == [t.data_ptr() for t in outs]
+    assert gg.expert_table(list(outs)) is t1
+    assert gg.expert_table(outs[::-1]) is not t1
+
+
+@pytest.mark.gpu
+def test_per_expert_outputs_accumulate_bitwise_as_the_stacked_main_grad():
+    """Per-expert fp32 outputs scattered through one buffer in shuffled order (as a gradient
+    buffer may hold them), non-zero before: accumulating into them over the whole layout and
+    over every partition into ranges, with the counts, gives bitwise what accumulating into the
+    stacked [L, M, N] main_grad gives; empty experts keep their values; nothing outside the
+    outputs is written."""
+    seed = _seed()
+    rng = random.Random(seed)
+    lay = _Layout(128)
+    base = torch.randn(lay.L, M, N, device="cuda")
+    want = base.clone()
+    gg.weight_grad(lay.a, lay.b, lay.offsets_d, lay.counts_d, main_grad=want)
+    order = list(range(lay.L))
+    rng.shuffle(order)
+    gap = 64  # floats between outputs, poisoned
+    for name, bounds in {"one range": [0, lay.R], **lay.partitions(rng)}.items():
+        buf = torch.full((lay.L * (M * N + gap),), float("nan"), device="cuda")
+        outs = [None] * lay.L
+        for slot, e in enumerate(order):
+            outs[e] = buf[slot * (M * N + gap):slot * (M * N + gap) + M * N].view(M, N)
+            outs[e].copy_(base[e])
+        carries = [torch.full((M, N), float("nan"), device="cuda") for _ in range(2)]
+        for k, (row0, row1) in enumerate(zip(bounds[:-1], bounds[1:])):
+            last = k == len(bounds) - 2
+            gg.weight_grad_into(_chunk(lay.a_nan, row0, row1, last), _chunk(lay.b_nan, row0, row1, last),
+                                lay.offsets_d, outs, counts=lay.counts_d, row0=row0, row1=row1,
+                                carry_in=None if row0 == 0 else carries[k % 2],
+                                carry_out=None if last else carries[(k + 1) % 2])
+        torch.cuda.synchronize()
+        got = torch.stack(outs)
+        assert _same_bits(got, want), f"ranges {name}: differs from the stacked main_grad (seed {seed})"
+        gaps = torch.cat([buf[slot * (M * N + gap) + M * N:(slot + 1) * (M * N + gap)] for slot in range(lay.L)])
+        assert torch.isnan(gaps).all(), f"ranges {name}: wrote outside the outputs (seed {seed})"
+    for l, c in enumerate(COUNTS):
+        if c == 0:
+            assert _same_bits(want[l], base[l]), f"empty expert {l} changed (seed {seed})"

@@ -6,6 +6,7 @@ machine."""
 import contextlib
 import glob
 import io
+import json
 import os
 import re
 import subprocess
@@ -222,9 +223,18 @@ def test_pretrain_comparison_runs_both_proxies_and_summarises_them(tmp_path):
 def test_pretrain_comparison_arguments(tmp_path):
     bad = _compare_script(tmp_path, PROXY="deepseek-v4")
     assert bad.returncode == 2 and "PROXY 'deepseek-v4' is not one of deepseek-v3, all-moe, all" in bad.stderr
-    given = _compare_script(tmp_path, PROXY="all-moe", MOE_LAYERS="6", DISPATCHERS="mok")
+    bad = _compare_script(tmp_path, SHARE="yes")
+    assert bad.returncode == 2 and "SHARE must be 0 or 1, not 'yes'" in bad.stderr
+    # SHARE=1: the run goes through tools/perf/moe_step_share.py (the fake launcher trains nothing),
+    # with the same flags; its JSON lands next to the log and its line in the output.
+    given = _compare_script(tmp_path, PROXY="all-moe", MOE_LAYERS="6", DISPATCHERS="mok", SHARE="1", SHARE_WARMUP="3")
     assert given.returncode == 0, given.stdout[-3000:] + given.stderr[-3000:]
     assert "=== proxy all-moe: 7 layers (1 dense + 6 MoE) + 1 MTP" in given.stdout
-    assert "--num-layers 7 --moe-layer-freq [0]*1+[1]*6" in (tmp_path / "out" / "all-moe" / "mok.log").read_text()
+    log = (tmp_path / "out" / "all-moe" / "mok.log").read_text()
+    argv = log.split("fake argv: ", 1)[1].splitlines()[0]
+    assert "--num-layers 7 --moe-layer-freq [0]*1+[1]*6" in argv and "--share" not in argv
+    share = json.loads((tmp_path / "out" / "all-moe" / "mok.share.json").read_text())
+    assert share["warmup"] == 3 and share["argv"] == argv.split() and share["launcher_status"] == 0
+    assert "all-moe, mok: moe_step_share: MoE layers: no training iteration recorded" in given.stdout
     assert "no alltoall.log and mok.log pair in" in given.stdout
     assert not (tmp_path / "out" / "deepseek-v3").exists()

@@ -28,6 +28,9 @@
 //        (128,256,1,1)
 //   fc2 data gradient + SwiGLU backward (wg_n 256, direct stores): block_m 128 or 64, and
 //        128 with multicast
+//   fc2 / fc1 data gradient pushed home (block_m, wg_n; direct stores, single CTAs): those of
+//        mok_gemm_fc2 / mok_gemm_fc1_dgrad: fc2 (128,256) (64,256) (64,128), fc1 dgrad (128,256)
+//        (64,256)
 // Others return MOK_ERR_UNSUPPORTED.
 // num_ctas: persistent CTAs to launch (0: one per SM; fewer leaves SMs to other work).
 // Every function returns MOK_OK, a cudaError_t (> 0) or a MOK_ERR_* code (< 0).
@@ -83,13 +86,46 @@ MOK_API int mok_gemm_fc2_dgrad(const void* dy, const void* fc2_weight, const int
                                int wg_n, int tma_store, int multicast, int num_ctas,
                                cudaStream_t stream);
 
+// fc2 (y = h D_e^T) and the fc1 data gradient (dx = dgu W1_e) with the output rows pushed home
+// from the epilogue instead of written to [R, H]: each layout row i in [offsets[0], offsets[L])
+// with table[i] = (s, route), s >= 0, goes to
+//   slots[s][route, :H]  (bf16; slots[s] = bases[s] + slots_offset, [T_cap, K, H])
+// and, for the fc1 data gradient with row_scalars (fp32 [R], the router-weight gradient),
+//   scalar_slots[s][route] = row_scalars[i]  (fp32; bases[s] + scalars_offset, [T_cap, K])
+// written by the tiles of column block 0. Rows with s < 0 (padding) push nothing. Bitwise
+// mok_gemm_fc2 / mok_gemm_fc1_dgrad with the same (block_m, wg_n) followed by mok_push_rows(bases,
+// slots_offset, scalars_offset, table, offsets, ..., rows, row_scalars) (the same K loop and
+// rounding; the rows are never materialised). table: int32 [rows_cap, 2], 8-byte aligned, the
+// rows of this launch's layout (a chunk's slice of the schedule table for a chunk of the layout,
+// with its chunk-relative offsets). bases: device uint64 [P]; slots_offset % 16 == 0,
+// scalars_offset % 4 == 0. Direct stores and single CTAs only (tma_store and multicast cannot
+// scatter rows to computed addresses); other shape rules as mok_gemm_fc2 / mok_gemm_fc1_dgrad.
+// Memory ordering: plain stores, as mok_push_rows's; the peers see them after the mok_barrier
+// that follows in the stream (its fence.acq_rel.sys is cumulative over every earlier kernel's
+// stores, peer stores included), and a P = 1 slot sum later in the same stream.
+MOK_API int mok_gemm_fc2_push(const void* h, const void* fc2_weight, const int32_t* offsets,
+                              const int32_t* table, const uint64_t* bases, int64_t slots_offset,
+                              int64_t rows_cap, int L, int H, int I, int block_m, int wg_n,
+                              int num_ctas, cudaStream_t stream);
+MOK_API int mok_gemm_fc1_dgrad_push(const void* dgu, const void* fc1_weight, const int32_t* offsets,
+                                    const int32_t* table, const uint64_t* bases, int64_t slots_offset,
+                                    const float* row_scalars, int64_t scalars_offset, int64_t rows_cap,
+                                    int L, int H, int I, int block_m, int wg_n, int num_ctas,
+                                    cudaStream_t stream);
+
 // Weight gradient per expert: out[e] = a_e^T b_e over the expert's rows [offsets[e],
 // offsets[e+1]) (offsets multiples of 64): a bf16 [R, M], b bf16 [R, N], out [L, M, N] fp32
 // (accumulate: out += ..., e.g. into Megatron's main_grad) or bf16 (out_bf16 = 1, no
 // accumulate). fc1: a = dgu, b = x (M = 2I, N = H); fc2: a = dy, b = h (M = H, N = I).
 // Experts without rows get zeros (or are left as they are when accumulating). tma_store needs
 // the bf16 output. Needs M % 128 == 0 and N % 256 == 0. Deterministic: fp32 accumulation over
-// the segment's 64-row blocks in ascending row order.
+// the segment's 64-row blocks in ascending row order. counts (int32 [L], or null): the real
+// rows of each expert; given, the K loop stops after the 64-row block holding the expert's
+// last real row: the 64-row blocks of padding past it (at most one of a 128-row-padded
+// segment) are neither read nor multiplied. Padding rows are zeros and add exact zeros, so the
+// result is bitwise that of the whole segment. out_table (device uint64 [L], or null): with
+// accumulate, expert e's fp32 [M, N] lies at out_table[e] (16-byte aligned) instead of in out,
+// which is then not read: Megatron's per-expert main_grad, wherever its buffer put each one.
 //
 // Over a range of rows [row0, row1) of the layout (a chunk of it), with a and b holding only
 // those rows: layout row r is row r - row0 of a and b (rows_cap rows). offsets are the whole
@@ -109,7 +145,8 @@ MOK_API int mok_gemm_fc2_dgrad(const void* dy, const void* fc2_weight, const int
 // consecutive ranges, called range by range with each carry_out the next carry_in, gives out
 // bitwise equal to the whole-layout call (the fp32 round trip of the carry is exact and the K
 // blocks run in the same order).
-MOK_API int mok_gemm_weight_grad(const void* a, const void* b, const int32_t* offsets, void* out,
+MOK_API int mok_gemm_weight_grad(const void* a, const void* b, const int32_t* offsets,
+                                 const int32_t* counts, void* out, const uint64_t* out_table,
                                  int out_bf16, int accumulate, int tma_store, int64_t rows_cap,
                                  int L, int M, int N, int64_t row0, int64_t row1,
                                  const float* carry_in, float* carry_out, int num_ctas,

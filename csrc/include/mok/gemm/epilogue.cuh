@@ -434,12 +434,17 @@ __device__ __forceinline__ void load_wgrad_fp32(bool load, const float* src, int
 // carry_out [M, N] instead.
 struct WgradEpilogue {
   struct Params {
-    void* out;        // [L, M, N] fp32 or bf16
-    int out_bf16;     // 1: bf16, 0: fp32
-    int accumulate;   // fp32 only: out += acc
+    void* out;                  // [L, M, N] fp32 or bf16
+    const uint64_t* out_table;  // accumulate only: expert e's [M, N] fp32 at out_table[e], or null (out)
+    int out_bf16;               // 1: bf16, 0: fp32
+    int accumulate;             // fp32 only: out += acc
     int M, N;
-    float* carry_out; // [M, N] fp32, or null
+    float* carry_out;           // [M, N] fp32, or null
   };
+  __device__ __forceinline__ static float* accumulate_base(const Params& p, int expert) {
+    return p.out_table != nullptr ? reinterpret_cast<float*>(__ldg(p.out_table + expert))
+                                  : static_cast<float*>(p.out) + static_cast<int64_t>(expert) * p.M * p.N;
+  }
   template <int WGN>
   __device__ __forceinline__ static void apply(const Params& p, const WgradTile& t, int wm,
                                                float (&acc)[WGN / 2], uint8_t*, int) {
@@ -455,31 +460,39 @@ struct WgradEpilogue {
       store_wgrad_fp32<WGN>(static_cast<float*>(p.out) + base, p.N, t, wm, acc);
       return;
     }
+    if (p.out_bf16) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int m = t.m0 + wm * 64 + f.row + 8 * j;
-      const int64_t off = base + static_cast<int64_t>(m) * p.N + t.n0 + f.col;
-      if (p.out_bf16) {
-        __nv_bfloat16* o = static_cast<__nv_bfloat16*>(p.out) + off;
+      for (int j = 0; j < 2; ++j) {
+        const int m = t.m0 + wm * 64 + f.row + 8 * j;
+        __nv_bfloat16* o = static_cast<__nv_bfloat16*>(p.out) + base + static_cast<int64_t>(m) * p.N + t.n0 + f.col;
 #pragma unroll
         for (int i = 0; i < WGN / 8; ++i)
           *reinterpret_cast<__nv_bfloat162*>(o + 8 * i) =
               __floats2bfloat162_rn(acc[4 * i + 2 * j], acc[4 * i + 2 * j + 1]);
-      } else {
-        float* o = static_cast<float*>(p.out) + off;
-#pragma unroll
-        for (int i0 = 0; i0 < WGN / 8; i0 += 8) {  // 8 loads in flight before the adds
-          float2 v[8];
-#pragma unroll
-          for (int k = 0; k < 8; ++k) v[k] = *reinterpret_cast<const float2*>(o + 8 * (i0 + k));
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            v[k].x += acc[4 * (i0 + k) + 2 * j];
-            v[k].y += acc[4 * (i0 + k) + 2 * j + 1];
-            *reinterpret_cast<float2*>(o + 8 * (i0 + k)) = v[k];
-          }
-        }
       }
+      return;
+    }
+    // fp32 out += acc: the fragment's two rows together, 16 loads in flight before the adds.
+    float* o[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      o[j] = accumulate_base(p, t.expert) + static_cast<int64_t>(t.m0 + wm * 64 + f.row + 8 * j) * p.N + t.n0 +
+             f.col;
+#pragma unroll
+    for (int i0 = 0; i0 < WGN / 8; i0 += 8) {
+      float2 v[2][8];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[j][k] = *reinterpret_cast<const float2*>(o[j] + 8 * (i0 + k));
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          v[j][k].x += acc[4 * (i0 + k) + 2 * j];
+          v[j][k].y += acc[4 * (i0 + k) + 2 * j + 1];
+          *reinterpret_cast<float2*>(o[j] + 8 * (i0 + k)) = v[j][k];
+        }
     }
   }
   __device__ __forceinline__ static void finish(int) {}

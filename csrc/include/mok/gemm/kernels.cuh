@@ -112,6 +112,7 @@ struct WgradKernelParams {
   WgradOperands op;
   typename Epi::Params epi;
   const int32_t* offsets;  // [L + 1], the whole layout's
+  const int32_t* counts;   // [L] real rows per expert (the K loops skip padding blocks), or null
   int L;
   int row0, row1;          // the launch's layout rows (multiples of 64; row0 == row1: none)
 };
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) ring.init_barriers();
   for (int i = threadIdx.x; i <= p.L; i += blockDim.x) ring.table0[i] = p.offsets[i];
   __syncthreads();
-  WgradScheduler::build_order(ring.table0, ring.table1, p.L, p.row0, p.row1);
+  WgradScheduler::build_order(ring.table0, p.counts, ring.table1, p.L, p.row0, p.row1);
   __syncthreads();
   const WgradScheduler sched(ring.table0, ring.table1, p.L, p.op.M / Cfg::BM, p.op.N / Cfg::BN,
                              p.row0, p.row1, p.epi.carry_out != nullptr);

@@ -157,6 +157,11 @@ __device__ __forceinline__ int wgrad_rows_in(const int32_t* offs, int l, int row
 }
 
 // order: shared int32[L + 1], filled by build_order(); offs: shared copy of offsets[0..L].
+// An order entry packs the expert (low kOrderExpertBits bits) and the 64-row blocks of padding
+// its K loop skips (the rest), read from the counts once per CTA instead of once per tile.
+constexpr int kOrderExpertBits = 11;
+static_assert(kMaxExperts <= (1 << kOrderExpertBits), "an expert index fits the order entry");
+
 struct WgradScheduler {
   const int32_t* offs;
   const int32_t* order;
@@ -172,9 +177,11 @@ struct WgradScheduler {
 
   // All threads of the CTA call this, then synchronise: order[rank] = expert, experts with a
   // part in [row0, row1) first by their rows there (descending, ties by index), then the others;
-  // order[L] = the number of experts with a part.
-  __device__ static void build_order(const int32_t* offs, int32_t* order, int L, int row0,
-                                     int row1) {
+  // order[L] = the number of experts with a part. With counts (global [L] real rows per expert,
+  // or null), each entry also carries the 64-row blocks past the block of the expert's last real
+  // row (padding, zeros: its K loop skips them; the carries still follow the segment).
+  __device__ static void build_order(const int32_t* offs, const int32_t* counts, int32_t* order, int L,
+                                     int row0, int row1) {
     for (int l = threadIdx.x; l < L; l += blockDim.x) {
       const int rows = wgrad_rows_in(offs, l, row0, row1);
       int rank = 0;
@@ -182,7 +189,13 @@ struct WgradScheduler {
         const int r = wgrad_rows_in(offs, m, row0, row1);
         rank += (r > rows) || (r == rows && m < l);
       }
-      order[rank] = l;
+      int skip = 0;
+      if (counts != nullptr) {
+        const int seg_blocks = (offs[l + 1] - offs[l]) / kBK;
+        const int real_blocks = (max(counts[l], 0) + kBK - 1) / kBK;
+        skip = min(max(seg_blocks - real_blocks, 0), (1 << (31 - kOrderExpertBits)) - 1);
+      }
+      order[rank] = l | (skip << kOrderExpertBits);
     }
     if (threadIdx.x == 0) {
       int present = 0;
@@ -195,9 +208,10 @@ struct WgradScheduler {
     const int per_expert = num_mb * num_nb;
     const int p = t / per_expert;
     const int local = t - p * per_expert;
-    const int l = order[p];
+    const int l = order[p] & ((1 << kOrderExpertBits) - 1);
     const int g0 = offs[l], g1 = offs[l + 1];
-    const int lo = max(g0, row0), hi = min(g1, row1);
+    const int end = g1 - (order[p] >> kOrderExpertBits) * kBK;  // past the last real row's block
+    const int lo = max(g0, row0), hi = min(end, row1);
     WgradTile out;
     out.expert = l;
     out.row0 = lo - row0;

@@ -21,48 +21,27 @@
 
 #include "mok/gemm/epilogue.cuh"
 #include "mok/gemm/ptx.cuh"
+#include "mok/gemm/push.cuh"
 #include "mok/megakernel/plan.cuh"
 #include "mok/megakernel/sync.cuh"
 
 namespace mok {
 namespace mega {
 
-// Where a block's output rows go.
-struct PushTargets {
-  const uint64_t* bases;  // device [P]: every rank's workspace region
-  int64_t slots_offset;   // byte offset of the bf16 combine slots [T_cap, K, H] in a region
-  const int32_t* table;   // schedule [R_cap, 2]: (source rank or -1 for padding, token * K + slot)
-  int H;
-};
+// Where a block's output rows go: the whole layout's table, indexed by layout row.
+using gemm::PushTargets;
 
 // Consumer warpgroup cw's 64 x WGN fp32 accumulator of fc2 tile (block, col_block), rounded to
-// bf16, into the home rows of its rows (padding rows: nothing). The same fragments, rounding
-// and 16-byte vectors (a quad transpose) as gemm::StoreEpilogue, so the rows are bitwise those
-// of the composed kernels. Called by the 128 threads of the warpgroup.
+// bf16, into the home rows of its rows (padding rows: nothing): gemm::push_fragment, the
+// standalone GEMMs' push epilogue, so the rows are bitwise those of the composed kernels.
+// Called by the 128 threads of the warpgroup.
 template <int WGN>
 __device__ __forceinline__ void push_fragment(const PushTargets& p, int block, int col_block, int cw,
                                               const float (&acc)[WGN / 2]) {
   static_assert(WGN == kFc2Cols, "one consumer warpgroup covers the tile's columns");
-  const gemm::Fragment f;
-  const int c0 = col_block * kFc2Cols + 8 * (threadIdx.x % 4);
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int64_t row = (int64_t)block * kBlockRows + cw * 64 + f.row + 8 * j;  // layout row
-    const int2 entry = __ldg(reinterpret_cast<const int2*>(p.table) + row);
-    __nv_bfloat16* home = nullptr;
-    if (entry.x >= 0)
-      home = reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<char*>(__ldg(p.bases + entry.x)) + p.slots_offset) +
-             (int64_t)entry.y * p.H;
-#pragma unroll
-    for (int i0 = 0; i0 < WGN / 8; i0 += 4) {
-      uint32_t x[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        x[k] = gemm::bf16x2_bits(acc[4 * (i0 + k) + 2 * j], acc[4 * (i0 + k) + 2 * j + 1]);
-      const uint4 v = gemm::quad_transpose(x[0], x[1], x[2], x[3]);  // every lane: shuffles
-      if (home != nullptr) *reinterpret_cast<uint4*>(home + c0 + 8 * i0) = v;
-    }
-  }
+  // Every block of the plan lies inside the table (blocks < offsets[L] / kBlockRows): no bound.
+  const int64_t row0 = (int64_t)block * kBlockRows + cw * 64;  // layout row
+  gemm::push_fragment<WGN, false>(p, row0, col_block * kFc2Cols, 0, acc);
 }
 
 // Every rank's combine-done flag for this rank: the epoch, stored after a system-scope fence.
