@@ -83,6 +83,29 @@ MOK_API int mok_megakernel_backward_tables(const int32_t* expert_blocks, int L, 
   return MOK_OK;
 }
 
+MOK_API int mok_megakernel_backward_counter_layout(int slots, int max_blocks, int L, int unit_blocks, int mb_blocks,
+                                                   int h_cols, int i_cols, int64_t* out, int out_len) {
+  MOK_REQUIRE(out != nullptr && out_len >= 2 * kNumBwdCounters + 2);
+  MOK_REQUIRE(slots >= 1 && max_blocks >= 0 && L >= 1 && unit_blocks >= 1 && mb_blocks >= 1 && h_cols >= 1 &&
+              i_cols >= 1);
+  const int64_t units = (int64_t)max_blocks / unit_blocks + L;
+  const int64_t tiles = 6 * (int64_t)h_cols * i_cols;
+  MOK_REQUIRE(units < INT32_MAX && tiles < INT32_MAX &&
+              kHeaderWords + 4 * (int64_t)slots + 2 * units + tiles + 4 * ((int64_t)max_blocks + units + 4) < INT32_MAX);
+  BwdPlan p{};
+  p.h_cols = h_cols;
+  p.i_cols = i_cols;
+  const BwdCounterLayout l = bwd_counter_layout(slots, bwd_max_units(max_blocks, L, unit_blocks), wgrad_tiles(p),
+                                                bwd_table_words(max_blocks, mb_blocks, (int)units));
+  for (int c = 0; c < kNumBwdCounters; ++c) {
+    out[c] = l.base[c];
+    out[kNumBwdCounters + c] = l.length[c];
+  }
+  out[2 * kNumBwdCounters] = l.tables;
+  out[2 * kNumBwdCounters + 1] = l.words;
+  return MOK_OK;
+}
+
 // The plan of `tables` when its header is one mok_megakernel_backward_tables writes and the
 // arrays fit in `words`; false otherwise.
 static bool bwd_tables_valid(const int32_t* tables, int64_t words) {

@@ -268,7 +268,30 @@ def backward_exports():
         "sizes": lib.function("mok_megakernel_backward_plan_sizes", _i, [_v, _i64, _v]),
         "item": lib.function("mok_megakernel_backward_plan_item", _i, [_i, _i, _v, _i64, _v, _i]),
         "ring_rows": lib.function("mok_megakernel_training_ring_rows_of", _i, [_v, _i, _i64, _v, _v, _i64]),
+        "counters": lib.function("mok_megakernel_backward_counter_layout", _i, [_i, _i, _i, _i, _i, _i, _i, _v, _i]),
     }
+
+
+class CounterLayout(NamedTuple):
+    """The backward's counter buffer (mok_megakernel_backward_counter_layout): each counter's first
+    word and length by name, the plan tables' first word, the buffer's words."""
+
+    base: Dict[str, int]
+    length: Dict[str, int]
+    tables: int
+    words: int
+
+
+def backward_counter_layout(slots: int, max_blocks: int, L: int, unit: int, mb: int, h_cols: int,
+                            i_cols: int) -> CounterLayout:
+    """The library's counter buffer layout for these sizes."""
+    lib, fns = backward_exports()
+    n = len(BWD_COUNTERS)
+    out = (ctypes.c_int64 * (2 * n + 2))()
+    _bwd_error(lib, fns["counters"](slots, max_blocks, L, unit, mb, h_cols, i_cols, out, 2 * n + 2),
+               f"counter layout {(slots, max_blocks, L, unit, mb, h_cols, i_cols)}")
+    return CounterLayout(dict(zip(BWD_COUNTERS, out[:n])), dict(zip(BWD_COUNTERS, out[n:2 * n])), out[2 * n],
+                         out[2 * n + 1])
 
 
 def _bwd_error(lib, code: int, what: str) -> None:

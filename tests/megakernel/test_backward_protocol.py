@@ -28,9 +28,9 @@ import re
 from megatron_mok import _build
 from megatron_mok.functional.faults import SITE_NAMES
 
-from .protocol import (BWD_ITEM_WORDS, QUEUE_NAMES, backward_expected_items, backward_exports, backward_item,
-                       backward_pair_partner, backward_pair_tiles, backward_plan, backward_queue, backward_strips,
-                       backward_units, simulate_backward, training_ring_rows_of)
+from .protocol import (BWD_COUNTERS, BWD_ITEM_WORDS, QUEUE_NAMES, backward_counter_layout, backward_expected_items,
+                       backward_exports, backward_item, backward_pair_partner, backward_pair_tiles, backward_plan,
+                       backward_queue, backward_strips, backward_units, simulate_backward, training_ring_rows_of)
 
 
 
@@ -497,3 +497,65 @@ def test_megakernel_sites_have_names_and_the_backward_takes_12_to_18():
     assert len(set(sites.values())) == len(sites)
     assert sorted(v for v in sites.values() if v >= 12) == list(range(12, 19))
     assert all("backward megakernel" in SITE_NAMES[v] for v in range(12, 19))
+
+
+# ---- the counter buffer -----------------------------------------------------------------------
+
+HEADER_WORDS = 8  # the forward's header (plan.cuh, HeaderWord), shared by the backward
+
+
+def test_counter_buffer_layout_at_the_kimi_k2_shape(use_lib):
+    """S_b = 64 slots, 192 experts of at most R_cap / 128 blocks (EP 2), units of 32, minibatches
+    of 16, H = 7168, I = 2048: the forward's header, four slot arrays, two unit arrays sized for
+    max_blocks / 32 + L units, 1344 carry_done words (one per weight-gradient tile), then the
+    tables, back to back."""
+    max_blocks = -(-(2 * 4096 * 8 + 192 * 127) // 128) + 192
+    lay = backward_counter_layout(64, max_blocks, 192, 32, 16, 7168 // 256, 2048 // 256)
+    units = max_blocks // 32 + 192
+    want_len = dict(dy_ready=64, gu_ready=64, dgu_ready=64, d1_done=64, unit_ready=units, w_done=units,
+                    carry_done=1344)
+    assert lay.length == want_len
+    at = HEADER_WORDS
+    for c in BWD_COUNTERS:
+        assert lay.base[c] == at, (c, lay.base)
+        at += want_len[c]
+    assert lay.tables == at
+    n_mb = -(-max_blocks // 16)
+    assert lay.words == lay.tables + 12 + (units + 1) + units + (n_mb + 3) + (n_mb + 1)
+    assert lay.words * 4 < 64 * 1024, "a few tens of KB per workspace"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_wait_and_signal_indexes_inside_its_counter_array(use_lib, seed):
+    """For random layouts within the buffer's sizes (max_blocks and L as the buffer was laid out
+    for): the plan's tables fit after the counters, and every wait and signal of every item of
+    the three queues names an index inside its counter's array."""
+    rng = random.Random(9000 + seed)
+    args = _random_case(rng)
+    eb, unit, mb = args["expert_blocks"], args["unit"], args["mb"]
+    slots = unit + 2 * mb
+    max_blocks = sum(eb) + rng.randint(0, 5)
+    lay = backward_counter_layout(slots, max_blocks, len(eb), unit, mb, args["h_cols"], args["i_cols"])
+    for pairs in (False, True):
+        plan = backward_plan(eb, mb, slots, unit, args["n_keep"], args["h_cols"], args["i_cols"], args["strip"],
+                             args["group"], pairs=pairs)
+        assert plan.words <= lay.words - lay.tables, (plan.words, lay)
+        assert plan.sizes["units"] <= lay.length["unit_ready"]
+        for queue in QUEUE_NAMES:
+            for it in backward_queue(plan, queue):
+                for name, index, _ in it.waits + it.signals:
+                    assert 0 <= index < lay.length[name], (queue, it, name, index, lay.length)
+
+
+def test_counter_layout_rejects_bad_sizes(use_lib):
+    lib, fns = backward_exports()
+    out = (ctypes.c_int64 * 16)()
+    good = (64, 1000, 8, 32, 16, 28, 8)
+    assert fns["counters"](*good, out, 16) == 0
+    for i, bad in ((0, 0), (1, -1), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0)):
+        args = list(good)
+        args[i] = bad
+        assert fns["counters"](*args, out, 16) != 0, args
+    assert fns["counters"](*good, out, 15) != 0
+    assert fns["counters"](*good, None, 16) != 0
+    assert fns["counters"](64, 2 ** 31 - 2, 8, 1, 1, 28, 8, out, 16) != 0  # past int32 words

@@ -181,6 +181,17 @@ MOK_API int mok_megakernel_backward_plan_sizes(const int32_t* tables, int64_t wo
 MOK_API int mok_megakernel_backward_plan_item(int queue, int index, const int32_t* tables, int64_t words,
                                               int32_t* out, int out_len);
 
+// The backward's counter buffer (mok/megakernel/bwd_plan.cuh, BwdCounterLayout): for `slots`
+// backward slots, layouts of at most max_blocks row blocks over L local experts in units of
+// unit_blocks, minibatches of mb_blocks, h_cols = H / 256 and i_cols = I / 256. Writes out[0..6]
+// = the first word of each counter array (0 dy_ready, 1 gu_ready, 2 dgu_ready, 3 d1_done by slot;
+// 4 unit_ready, 5 w_done by unit; 6 carry_done by weight-gradient tile), out[7..13] = their
+// lengths, out[14] = the first word of the plan tables, out[15] = the buffer's int32 words (the
+// forward's header words first). out_len: at least 16. Returns MOK_OK or
+// MOK_ERR_INVALID_ARGUMENT. No CUDA call.
+MOK_API int mok_megakernel_backward_counter_layout(int slots, int max_blocks, int L, int unit_blocks, int mb_blocks,
+                                                   int h_cols, int i_cols, int64_t* out, int out_len);
+
 // The layout block each block of the queues stands for (mok/megakernel/plan.cuh, block order:
 // each expert's blocks from the front and the back in turn), for a rank whose local experts
 // received counts[0 .. L) rows: out[b] for the n_blocks = sum of ceil(counts[l] / 128) blocks

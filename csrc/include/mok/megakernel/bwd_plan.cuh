@@ -147,6 +147,36 @@ MOK_HD int count_units(const int32_t* expert_blocks, int L, int unit_blocks) {
   return n;
 }
 
+// The most units a layout of at most max_blocks row blocks over L experts can have (each expert's
+// last unit may be partial): what the unit counters are sized for.
+MOK_HD int bwd_max_units(int max_blocks, int L, int unit_blocks) { return max_blocks / unit_blocks + L; }
+
+// The backward's counter buffer (int32 words), one per workspace: the forward's header words
+// (plan.cuh, HeaderWord: epoch, queue positions, role ticket; kFc2Delivered counts the D1 tile
+// halves delivered), then each BwdCounter's array (dy_ready .. d1_done by slot, unit_ready and
+// w_done by unit id, carry_done by weight-gradient tile), then the plan tables, which the reset
+// kernel builds on the device. The reset zeroes the words from kComputeNext to `tables` (the unit
+// arrays only up to this launch's units); the tables are rewritten whole.
+struct BwdCounterLayout {
+  int64_t base[kNumBwdCounters];  // word of each counter's element 0
+  int64_t length[kNumBwdCounters];
+  int64_t tables;                 // word of the plan tables (bwd_plan_of)
+  int64_t words;                  // the buffer
+};
+
+MOK_HD BwdCounterLayout bwd_counter_layout(int slots, int max_units, int wgrad_tiles, int64_t table_words) {
+  BwdCounterLayout l;
+  int64_t at = kHeaderWords;
+  for (int c = 0; c < kNumBwdCounters; ++c) {
+    l.length[c] = c <= kD1Done ? slots : c <= kWDone ? max_units : wgrad_tiles;
+    l.base[c] = at;
+    at += l.length[c];
+  }
+  l.tables = at;
+  l.words = at + table_words;
+  return l;
+}
+
 // The plan whose tables (built by build_bwd_tables) start at `tab`.
 MOK_HD BwdPlan bwd_plan_of(const int32_t* tab) {
   BwdPlan p;
