@@ -13,13 +13,17 @@ using namespace mok::gemm;
 
 namespace {
 
-template <bool kTma>
+// kEpi: 0 direct stores (WgradEpilogue), 1 TMA-staged bf16 (WgradTmaEpilogue), 2 fp32 accumulated
+// through the staging buffer (WgradAccumulateEpilogue).
+template <int kEpi>
 int weight_grad(const void* a, const void* b, const int32_t* offsets, const int32_t* counts,
                 void* out, const uint64_t* out_table, int out_bf16,
                 int accumulate, int64_t rows_cap, int L, int M, int N, int row0, int row1,
                 const float* carry_in, float* carry_out, int num_ctas, cudaStream_t stream) {
-  using Cfg = WgradCfg<kTma>;
-  using Epi = std::conditional_t<kTma, WgradTmaEpilogue, WgradEpilogue>;
+  constexpr bool kTma = kEpi == 1;
+  using Cfg = WgradCfg<kEpi != 0>;
+  using Epi = std::conditional_t<kEpi == 1, WgradTmaEpilogue,
+                                 std::conditional_t<kEpi == 2, WgradAccumulateEpilogue, WgradEpilogue>>;
   WgradKernelParams<Epi> p{};
   // A range without a whole 64-row block has no K loop at all: a and b are never read (and
   // tensor maps of fewer rows than a box are not encoded).
@@ -69,7 +73,7 @@ MOK_API int mok_gemm_weight_grad(const void* a, const void* b, const int32_t* of
   MOK_REQUIRE(rows_cap >= 0 && rows_cap < (int64_t)INT32_MAX && L >= 1 && L <= kMaxExperts);
   MOK_REQUIRE(M > 0 && N > 0 && M % 128 == 0 && N % 256 == 0);
   MOK_REQUIRE(!(out_bf16 && accumulate));
-  MOK_REQUIRE(!tma_store || out_bf16);  // the staged epilogue writes bf16
+  MOK_REQUIRE(!tma_store || out_bf16);  // the TMA-staged epilogue writes bf16
   MOK_REQUIRE((int64_t)L * (M / 128) * (N / 256) < (int64_t)INT32_MAX);
   // The range: row0 a multiple of 64; row1 a multiple of 64 above row0 within the rows a and b
   // hold, or exactly row0 + rows_cap (all of them, the last range).
@@ -81,9 +85,14 @@ MOK_API int mok_gemm_weight_grad(const void* a, const void* b, const int32_t* of
   MOK_REQUIRE(!(carry_in && carry_out && overlap(carry_in, carry_out, (size_t)M * N * 4)));
   // Rows past the last multiple of 64 cannot belong to a segment (offsets are multiples of 64).
   const int64_t row1_blocks = row0 + (row1 - row0) / kBK * kBK;
+  // Accumulation goes through the staging buffer (WgradAccumulateEpilogue); bf16 is TMA-staged
+  // or direct as asked; a plain fp32 out is stored directly.
   if (tma_store)
-    return weight_grad<true>(a, b, offsets, counts, out, out_table, out_bf16, accumulate, rows_cap, L, M, N,
-                             (int)row0, (int)row1_blocks, carry_in, carry_out, num_ctas, stream);
-  return weight_grad<false>(a, b, offsets, counts, out, out_table, out_bf16, accumulate, rows_cap, L, M, N, (int)row0,
-                            (int)row1_blocks, carry_in, carry_out, num_ctas, stream);
+    return weight_grad<1>(a, b, offsets, counts, out, out_table, out_bf16, accumulate, rows_cap, L, M, N,
+                          (int)row0, (int)row1_blocks, carry_in, carry_out, num_ctas, stream);
+  if (accumulate)
+    return weight_grad<2>(a, b, offsets, counts, out, out_table, out_bf16, accumulate, rows_cap, L, M, N,
+                          (int)row0, (int)row1_blocks, carry_in, carry_out, num_ctas, stream);
+  return weight_grad<0>(a, b, offsets, counts, out, out_table, out_bf16, accumulate, rows_cap, L, M, N, (int)row0,
+                        (int)row1_blocks, carry_in, carry_out, num_ctas, stream);
 }

@@ -71,7 +71,8 @@ DEFAULTS = {
     "dgrad": {128: Variant(128, 256, True, False), 64: Variant(64, 256, False, False)},
 }
 WGRAD_TMA_STORE = True
-"""Default epilogue of the bf16 weight gradients (the fp32 ones always store directly)."""
+"""Default epilogue of the bf16 weight gradients (an fp32 out is stored directly; fp32 accumulation
+into ``main_grad`` always goes through the staging buffer, a warp reading and writing whole rows)."""
 
 
 class GemmArgumentError(ValueError):

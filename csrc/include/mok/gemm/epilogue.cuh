@@ -10,7 +10,9 @@
 // written there in the 128-byte swizzled layout of a {64 x 64} TMA box (conflict-free: the 8
 // rows a warp touches land in 8 different 16-byte chunks), and one thread issues TMA bulk
 // stores that drain while the warpgroup already runs the next tile's K loop. The staging
-// buffer is reused only after that thread's previous bulk stores have finished reading it.
+// buffer is reused only after that thread's previous bulk stores have finished reading it. The
+// fp32 accumulation into main_grad also stages, in fp32 halves, and its warps then read, add and
+// write whole rows of main_grad (WgradAccumulateEpilogue).
 //
 // An epilogue with kOffload (the SwiGLU backward) instead has offload<Cfg>(params, tile,
 // staging, e): the consumers stage their bf16 tile and go on, and warps 1-3 of the producer
@@ -429,15 +431,15 @@ __device__ __forceinline__ void load_wgrad_fp32(bool load, const float* src, int
   }
 }
 
-// out[e][m][n] (fp32, optionally accumulated, or bf16), written directly; a carry-out tile
-// (its expert's segment goes on past the launch's rows) stores its fp32 partial sum to
-// carry_out [M, N] instead.
+// out[e][m][n] (fp32 or bf16), written directly; a carry-out tile (its expert's segment goes on
+// past the launch's rows) stores its fp32 partial sum to carry_out [M, N] instead. Params are also
+// WgradAccumulateEpilogue's (out_table, accumulate).
 struct WgradEpilogue {
   struct Params {
     void* out;                  // [L, M, N] fp32 or bf16
     const uint64_t* out_table;  // accumulate only: expert e's [M, N] fp32 at out_table[e], or null (out)
     int out_bf16;               // 1: bf16, 0: fp32
-    int accumulate;             // fp32 only: out += acc
+    int accumulate;             // fp32 only: out += acc (WgradAccumulateEpilogue)
     int M, N;
     float* carry_out;           // [M, N] fp32, or null
   };
@@ -452,47 +454,94 @@ struct WgradEpilogue {
       store_wgrad_fp32<WGN>(p.carry_out, p.N, t, wm, acc);
       return;
     }
-    // An empty expert adds zeros: leave main_grad as it is.
-    if (p.accumulate && t.k_rows <= 0 && !t.carry_in) return;
     const Fragment f;
     const int64_t base = static_cast<int64_t>(t.expert) * p.M * p.N;
-    if (!p.out_bf16 && !p.accumulate) {
+    if (!p.out_bf16) {
       store_wgrad_fp32<WGN>(static_cast<float*>(p.out) + base, p.N, t, wm, acc);
       return;
     }
-    if (p.out_bf16) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int m = t.m0 + wm * 64 + f.row + 8 * j;
-        __nv_bfloat16* o = static_cast<__nv_bfloat16*>(p.out) + base + static_cast<int64_t>(m) * p.N + t.n0 + f.col;
+    for (int j = 0; j < 2; ++j) {
+      const int m = t.m0 + wm * 64 + f.row + 8 * j;
+      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(p.out) + base + static_cast<int64_t>(m) * p.N + t.n0 + f.col;
 #pragma unroll
-        for (int i = 0; i < WGN / 8; ++i)
-          *reinterpret_cast<__nv_bfloat162*>(o + 8 * i) =
-              __floats2bfloat162_rn(acc[4 * i + 2 * j], acc[4 * i + 2 * j + 1]);
-      }
+      for (int i = 0; i < WGN / 8; ++i)
+        *reinterpret_cast<__nv_bfloat162*>(o + 8 * i) =
+            __floats2bfloat162_rn(acc[4 * i + 2 * j], acc[4 * i + 2 * j + 1]);
+    }
+  }
+  __device__ __forceinline__ static void finish(int) {}
+};
+
+// ---- fp32 main_grad += weight gradient, through the staging buffer ------------------------------
+// A warp reads and writes one row of 128 fp32 columns per instruction (512 contiguous bytes), where
+// the fragments' own accesses touch 8 rows x 32 bytes: the read-modify-write of main_grad, which
+// bounds the accumulating weight gradients, measured 8% faster (docs/perf-notes.md).
+
+// fp32 staging of 64 rows x 128 columns (32 KB): row r's 16-byte unit u (columns 4u .. 4u + 3)
+// at r * 512 + ((u ^ (r & 7)) << 4).
+__device__ __forceinline__ int staged_f32_offset(int r, int u) { return r * 512 + ((u ^ (r & 7)) << 4); }
+
+// Columns 128h .. 128h + 127 of a warpgroup's 64 x WGN fp32 accumulator into the fp32 staging.
+template <int WGN>
+__device__ __forceinline__ void stage_half_f32(uint8_t* staging, const float (&acc)[WGN / 2], int h) {
+  const Fragment f;
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int i = 16 * h; i < 16 * h + 16; ++i) {
+      const int c = 8 * i + f.col - 128 * h, r = f.row + 8 * j;
+      *reinterpret_cast<float2*>(staging + staged_f32_offset(r, c / 4) + (c % 4) * 4) =
+          make_float2(acc[4 * i + 2 * j], acc[4 * i + 2 * j + 1]);
+    }
+}
+
+// out[r * ld + c] += staged (r < 64, c < 128), in fp32: a warp reads and writes one row per step,
+// eight 16-byte loads in flight per thread before the adds.
+__device__ __forceinline__ void add_staged_f32(const uint8_t* staging, float* out, int64_t ld) {
+  const int t = threadIdx.x % 128;
+#pragma unroll
+  for (int k0 = 0; k0 < 16; k0 += 8) {
+    float4 g[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int q = (k0 + k) * 128 + t;
+      g[k] = *reinterpret_cast<const float4*>(out + (q / 32) * ld + 4 * (q % 32));
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int q = (k0 + k) * 128 + t, r = q / 32, u = q % 32;
+      const float4 a = *reinterpret_cast<const float4*>(staging + staged_f32_offset(r, u));
+      g[k].x += a.x;
+      g[k].y += a.y;
+      g[k].z += a.z;
+      g[k].w += a.w;
+      *reinterpret_cast<float4*>(out + r * ld + 4 * u) = g[k];
+    }
+  }
+}
+
+// out[e] += acc in fp32 (Megatron's main_grad), through the warpgroup's 32 KB staging buffer in two
+// rounds of 128 columns; a carry-out tile stores its fp32 partial sum to carry_out as
+// WgradEpilogue's does. Params: WgradEpilogue's, with accumulate set.
+struct WgradAccumulateEpilogue {
+  using Params = WgradEpilogue::Params;
+  template <int WGN>
+  __device__ __forceinline__ static void apply(const Params& p, const WgradTile& t, int wm,
+                                               float (&acc)[WGN / 2], uint8_t* staging, int cw) {
+    static_assert(WGN == 256, "two rounds of 64 x 128 fp32 through a 32 KB staging buffer");
+    if (t.carry_out) {
+      store_wgrad_fp32<WGN>(p.carry_out, p.N, t, wm, acc);
       return;
     }
-    // fp32 out += acc: the fragment's two rows together, 16 loads in flight before the adds.
-    float* o[2];
+    if (t.k_rows <= 0 && !t.carry_in) return;  // an empty expert adds zeros: main_grad stays
+    float* out = WgradEpilogue::accumulate_base(p, t.expert) + static_cast<int64_t>(t.m0 + wm * 64) * p.N + t.n0;
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
-      o[j] = accumulate_base(p, t.expert) + static_cast<int64_t>(t.m0 + wm * 64 + f.row + 8 * j) * p.N + t.n0 +
-             f.col;
-#pragma unroll
-    for (int i0 = 0; i0 < WGN / 8; i0 += 8) {
-      float2 v[2][8];
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int k = 0; k < 8; ++k) v[j][k] = *reinterpret_cast<const float2*>(o[j] + 8 * (i0 + k));
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          v[j][k].x += acc[4 * (i0 + k) + 2 * j];
-          v[j][k].y += acc[4 * (i0 + k) + 2 * j + 1];
-          *reinterpret_cast<float2*>(o[j] + 8 * (i0 + k)) = v[j][k];
-        }
+    for (int h = 0; h < WGN / 128; ++h) {
+      named_barrier_sync(1 + cw, 128);  // every thread has read what the staging held before
+      stage_half_f32<WGN>(staging, acc, h);
+      named_barrier_sync(1 + cw, 128);
+      add_staged_f32(staging, out + 128 * h, p.N);
     }
   }
   __device__ __forceinline__ static void finish(int) {}
