@@ -373,3 +373,38 @@ def test_host_profile_times_steps_at_start_or_return_and_restores_them(monkeypat
     assert (probe.checks, Autograd.__dict__["forward"]) == before
     # The package's own steps resolve where this version has them (the others are skipped).
     assert any(hasattr(*hp._resolve(path)) for _, path, _ in hp.LAUNCH_STEPS)
+
+
+def test_backward_breakdown_lists_the_gpu_gaps_and_the_kernels(monkeypatch):
+    """gpu_gaps: the idle time between consecutive GPU events (overlaps merged) at or above the
+    threshold, named by the event after the gap; kernel_table: kernels by total time."""
+    import json
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import backward_breakdown as bb
+    finally:
+        sys.path.pop(0)
+    events = [
+        {"cat": "kernel", "name": "a", "ts": 0.0, "dur": 10.0},
+        {"cat": "kernel", "name": "b", "ts": 5.0, "dur": 10.0},      # overlaps a: no gap
+        {"cat": "gpu_memcpy", "name": "c", "ts": 40.0, "dur": 5.0},  # 25 us after b ends
+        {"cat": "cpu_op", "name": "host", "ts": 46.0, "dur": 100.0},  # not GPU work
+        {"cat": "kernel", "name": "d", "ts": 48.0, "dur": 2.0},      # 3 us: below the threshold
+    ]
+
+    class Prof:
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                json.dump({"traceEvents": events}, f)
+
+        def key_averages(self):
+            return [SimpleNamespace(key="k1", count=2, self_device_time_total=3000.0),
+                    SimpleNamespace(key="k2", count=1, self_device_time_total=1000.0),
+                    SimpleNamespace(key="cpu", count=5, self_device_time_total=0.0)]
+
+    out = bb.gpu_gaps(Prof(), 5.0)
+    assert "gap     25.0 us before c" in out and "before d" not in out
+    assert "0.025 ms idle in gaps >= 5 us, span 0.050 ms" in out
+    table = bb.kernel_table(Prof(), 5).splitlines()
+    assert "k1" in table[0] and "2x" in table[0] and "k2" in table[1] and "cpu" not in "".join(table)
+    assert table[-1].strip() == "4.000 ms in all kernels"
