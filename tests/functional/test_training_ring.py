@@ -138,13 +138,13 @@ def test_reference_backend_takes_the_training_ring_and_ignores_it(tile, ring):
 
 
 # ------------------------------------------------------------------------------------------
-# The chunk helpers (CPU). Written against the documented API of
-# megatron_mok/functional/training.py; they skip, saying so, while that module is missing.
+# The chunk helpers of megatron_mok/functional/training.py (CPU).
 
 @pytest.fixture
 def training():
-    return pytest.importorskip("megatron_mok.functional.training",
-                               reason="megatron_mok/functional/training.py is not written yet")
+    from megatron_mok.functional import training as module
+
+    return module
 
 
 def _plan_by_rule(capacity: int, kept: int, chunk: int):
