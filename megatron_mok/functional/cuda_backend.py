@@ -80,6 +80,7 @@ class _CudaMoE(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # a second derivative through MoK raises instead of being dropped
     def backward(ctx, dy):
+        training.consume_kept(ctx)
         x, topk_ids, topk_weights, fc1, fc2, fc1_2, fc2_2, table, offsets, counts, *flat = ctx.saved_tensors
         kept = [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
         dx, dw, d_fc1, d_fc2, d_fc1_2, d_fc2_2 = training.moe_backward(

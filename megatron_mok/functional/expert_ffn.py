@@ -108,11 +108,12 @@ def plain_gemm_segments(call: ExpertCall, a, weights, offsets, counts, cols: int
     return out
 
 
-def fc2_dgrad_swiglu_segments(call: ExpertCall, d_out, fc2s, ab, offsets, counts, w_disp):
+def fc2_dgrad_swiglu_segments(call: ExpertCall, d_out, fc2s, ab, offsets, counts, w_disp, over_ab: bool = False):
     """(d_ab bf16 [R, 2I], d router weight fp32 [R], h bf16 [R, I]), as
-    ``mok_gemm.fc2_dgrad_swiglu(..., want_h=True)`` over the concatenated segments."""
+    ``mok_gemm.fc2_dgrad_swiglu(..., want_h=True)`` over the concatenated segments; with
+    ``over_ab`` d_ab is written over ``ab`` (``mok_gemm.fc2_dgrad_swiglu_``) and returned."""
     R, I = d_out.shape[0], fc2s[0].shape[2]
-    d_ab, h = d_out.new_empty((R, 2 * I)), d_out.new_empty((R, I))
+    d_ab, h = (ab if over_ab else d_out.new_empty((R, 2 * I))), d_out.new_empty((R, I))
     dw = d_out.new_empty((R,), dtype=torch.float32)
     scratch = d_out.new_empty((mok_gemm.dgrad_scratch_floats(R, I),), dtype=torch.float32)
     for w, offs, cnts in segments(fc2s, offsets, counts):

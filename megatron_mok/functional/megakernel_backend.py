@@ -263,6 +263,7 @@ class _MegakernelMoE(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # a second derivative through MoK raises instead of being dropped
     def backward(ctx, dy):
+        training.consume_kept(ctx)
         x, topk_ids, topk_weights, fc1, fc2, fc1_2, fc2_2, table, offsets, counts, save_x, save_w, save_gu = \
             ctx.saved_tensors
         kept = training.split_kept(ctx.plan, save_x, save_w, save_gu)

@@ -266,6 +266,20 @@ class _WeightGrads:
         return self.d_fc1, self.d_fc2
 
 
+def consume_kept(ctx) -> None:
+    """Marks the autograd context's kept activations as taken by its backward, which, with MoK's
+    Hopper GEMMs (``ctx.call``), writes the gradient of the fc1 pre-activation over the kept one:
+    a second backward through the same forward (``retain_graph=True``) then raises instead of
+    reading it."""
+    if not ctx.call.hopper_gemms:
+        return
+    if getattr(ctx, "mok_kept_consumed", False):
+        raise RuntimeError("mok_moe: a second backward through the same forward (retain_graph=True) is not "
+                           "supported: the first backward wrote the gradient of the fc1 pre-activation over the "
+                           "activations the forward kept; run the forward again")
+    ctx.mok_kept_consumed = True
+
+
 def moe_backward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], kept: Sequence[Kept], dy: torch.Tensor,
                  x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
                  offsets: torch.Tensor, counts: torch.Tensor, fc1, fc2, fc1_2=None, fc2_2=None,
@@ -315,13 +329,16 @@ def moe_backward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], kept: S
                 x_c, w_c = comm_ops.pull_rows(ws.bases, ws.layout.rows_x, True, ws.layout.scalars, tab, offs, K,
                                               c.rows, H, True, 0)
                 gu_c = _replay_preact(call, x_c, w_c, fc1s, offs, cnts)
-            # Each operand is dropped once its last reader is queued: the chunk's peak is dY, d gate|up
-            # and h, or d gate|up and the dX rows (none where they go home from the GEMM's epilogue).
+            # Each operand is dropped once its last reader is queued, and d gate|up is written over the
+            # chunk's gate|up (read only here; double backward is refused): the chunk's peak is dY,
+            # d gate|up and h, or d gate|up and the dX rows (none where they go home from the GEMM's
+            # epilogue).
             if len(fc2s) > 1:
-                d_gu, dw_rows, h = fc2_dgrad_swiglu_segments(call, d_out, fc2s, gu_c, offs, cnts, w_c)
+                d_gu, dw_rows, h = fc2_dgrad_swiglu_segments(call, d_out, fc2s, gu_c, offs, cnts, w_c, over_ab=True)
             else:
-                d_gu, dw_rows, h = mok_gemm.fc2_dgrad_swiglu(d_out, fc2, gu_c, offs, cnts, w_c,
-                                                             tile_rows=call.segment_rows, want_h=True)
+                dw_rows, h = mok_gemm.fc2_dgrad_swiglu_(d_out, fc2, gu_c, offs, cnts, w_c,
+                                                        tile_rows=call.segment_rows, want_h=True)
+                d_gu = gu_c
             del gu_c, w_c
             grads.add(i, c, offsets, counts, False, d_out, h)
             del d_out, h

@@ -535,6 +535,35 @@ def _(dy, fc2_weight, gu, offsets, counts, router_weight, variant, want_h, num_c
             dy.new_empty((R if want_h else 0, I)))
 
 
+@mok_op("mok::gemm_fc2_dgrad_swiglu_", mutates_args=("gu",))
+def gemm_fc2_dgrad_swiglu_inplace_op(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tensor,
+                                     offsets: torch.Tensor, counts: torch.Tensor,
+                                     router_weight: Optional[torch.Tensor], variant: List[int], want_h: bool,
+                                     num_ctas: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gemm_fc2_dgrad_swiglu_op` writing dgu over gu; see :func:`fc2_dgrad_swiglu_`.
+
+    Returns d_router_weight fp32 [R] ([0] without router_weight) and h bf16 [R, I] ([0, I]
+    unless want_h).
+    """
+    R = dy.shape[0]
+    I = fc2_weight.shape[2]
+    h = dy.new_empty((R if want_h else 0, I))
+    weighted = router_weight is not None
+    dw = dy.new_empty((R if weighted else 0,), dtype=torch.float32)
+    scratch = dy.new_empty((dgrad_scratch_floats(R, I) if weighted else 0,), dtype=torch.float32)
+    launch_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, gu, h if want_h else None,
+                            dw if weighted else None, scratch if weighted else None, variant=Variant(*variant),
+                            num_ctas=num_ctas)
+    return dw, h
+
+
+@gemm_fc2_dgrad_swiglu_inplace_op.register_fake
+def _(dy, fc2_weight, gu, offsets, counts, router_weight, variant, want_h, num_ctas):
+    R, I = dy.shape[0], fc2_weight.shape[2]
+    return (dy.new_empty((R if router_weight is not None else 0,), dtype=torch.float32),
+            dy.new_empty((R if want_h else 0, I)))
+
+
 @mok_op("mok::gemm_fc2_dgrad", mutates_args=())
 def gemm_fc2_dgrad_op(dy: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, variant: List[int],
                       num_ctas: int) -> torch.Tensor:
@@ -718,6 +747,23 @@ def fc2_dgrad_swiglu(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tenso
     dgu, dw, h = gemm_fc2_dgrad_swiglu_op(dy, fc2_weight, gu, offsets, counts, router_weight, list(_vargs(v)),
                                           want_h, num_ctas)
     return dgu, (dw if router_weight is not None else None), (h if want_h else None)
+
+
+def fc2_dgrad_swiglu_(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tensor, offsets: torch.Tensor,
+                      counts: torch.Tensor, router_weight: Optional[torch.Tensor] = None, *, tile_rows: int = 128,
+                      want_h: bool = False, block_m: Optional[int] = None, multicast: Optional[bool] = None,
+                      num_ctas: int = 0) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """:func:`fc2_dgrad_swiglu` with dgu written over ``gu`` (bitwise the same values): the
+    backward then holds no second [R, 2I] buffer. Each element of gu is read, by the one thread
+    that computes it, before its gradient is written there.
+
+    Returns:
+        (d_router_weight fp32 [R] or None, h bf16 [R, I] or None); ``gu`` holds dgu.
+    """
+    v = check_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, tile_rows, block_m, multicast)
+    dw, h = gemm_fc2_dgrad_swiglu_inplace_op(dy, fc2_weight, gu, offsets, counts, router_weight, list(_vargs(v)),
+                                             want_h, num_ctas)
+    return (dw if router_weight is not None else None), (h if want_h else None)
 
 
 def fc2_dgrad(dy: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor, *, tile_rows: int = 128,

@@ -242,6 +242,23 @@ def test_double_backward_is_refused(backend):
         g.float().sum().backward()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_second_backward_through_one_forward_is_refused(backend):
+    """The first backward writes d gate|up over the kept gate|up; a second one (retain_graph)
+    raises instead of reading it, and the first one's gradients are those of a fresh forward."""
+    case = gpu_case(210, [64], H, I, L, K)
+    x, w, fc1, fc2 = leaves(case, 0)
+    y = mok_moe(x, case.ids[0], w, fc1, fc2, backend=backend)
+    loss = (y.float() ** 2).sum()
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    with pytest.raises(RuntimeError, match="second backward through the same forward"):
+        loss.backward()
+    x.grad = None
+    (mok_moe(x, case.ids[0], w, fc1, fc2, backend=backend).float() ** 2).sum().backward()
+    assert torch.equal(x.grad, first)
+
+
 def test_local_ep_group_rank_out_of_range_is_a_clear_error():
     group = LocalEPGroup(2)
     with pytest.raises(IndexError, match=r"LocalEPGroup has 2 ranks \(0 to 1\); rank 2 is not one"):

@@ -267,6 +267,20 @@ def test_chunk_layout_examples(training):
         assert offs_c.tolist() == want_offs and cnts_c.tolist() == want_cnts, (row0, row1)
 
 
+def test_a_context_gives_its_kept_activations_to_one_backward_only(training):
+    """With MoK's Hopper GEMMs the backward writes d gate|up over the kept gate|up, so a second
+    backward of the same context raises; with torch's GEMMs it does not overwrite, and repeats."""
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(call=SimpleNamespace(hopper_gemms=True))
+    training.consume_kept(ctx)
+    with pytest.raises(RuntimeError, match="second backward through the same forward.*run the forward again"):
+        training.consume_kept(ctx)
+    ctx = SimpleNamespace(call=SimpleNamespace(hopper_gemms=False))
+    training.consume_kept(ctx)
+    training.consume_kept(ctx)
+
+
 # ------------------------------------------------------------------------------------------
 # GPU: the backends, any ring.
 

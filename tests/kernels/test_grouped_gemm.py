@@ -229,6 +229,10 @@ def test_fake_impls_give_shapes():
         assert y.shape == (384, 1024)
         dgu, dw, hh = torch.ops.mok.gemm_fc2_dgrad_swiglu(y, w2, gu, offsets, counts, rw, [128, 256, 0, 0], True, 0)
         assert dgu.shape == (384, 1024) and dw.shape == (384,) and dw.dtype == torch.float32 and hh.shape == (384, 512)
+        dw2, hh2 = torch.ops.mok.gemm_fc2_dgrad_swiglu_(y, w2, gu, offsets, counts, rw, [128, 256, 0, 0], True, 0)
+        assert dw2.shape == (384,) and dw2.dtype == torch.float32 and hh2.shape == (384, 512)
+        dw3, hh3 = torch.ops.mok.gemm_fc2_dgrad_swiglu_(y, w2, gu, offsets, counts, None, [128, 256, 0, 0], False, 0)
+        assert dw3.shape == (0,) and hh3.shape == (0, 512)
         assert torch.ops.mok.gemm_fc2_dgrad(y, w2, offsets, v, 0).shape == (384, 512)
         dx = torch.ops.mok.gemm_fc1_dgrad(dgu, w1, offsets, v, 0)
         assert dx.shape == (384, 1024)
@@ -446,6 +450,40 @@ def test_fc2_dgrad_swiglu(cfg, weighted):
         _check(f"h recomputed (ctas={num_ctas})", hh, h_ref, lay, seed)
         if weighted:
             _check(f"d router weight (ctas={num_ctas})", dw, dw_ref, lay, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", _configs("fc2_dgrad_swiglu"), ids=_id)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fc2_dgrad_swiglu_written_over_gu_is_bitwise_the_separate_output(cfg, weighted):
+    """fc2_dgrad_swiglu_ (dgu written over gu, as the backward runs it) gives bitwise the dgu, h
+    and router-weight gradient of the kernel with a separate output, padding rows included, and
+    leaves the rows past R_pad as they were; the op and the function agree with the launcher."""
+    tile, v = cfg
+    seed = _seed()
+    lay = Layout(SMALL, tile)
+    H, I = 1024, 512
+    dy = torch.randn(lay.R, H, device="cuda").bfloat16()
+    w2 = (torch.randn(lay.L, H, I, device="cuda") / H ** 0.5).bfloat16()
+    gu = torch.randn(lay.R, 2 * I, device="cuda").bfloat16()
+    rw = torch.rand(lay.R, device="cuda") if weighted else None
+    dgu, hh = _poisoned(lay.R, 2 * I), _poisoned(lay.R, I)
+    dw = _poisoned(lay.R, dtype=torch.float32) if weighted else None
+    scratch = torch.empty(gg.dgrad_scratch_floats(lay.R, I), device="cuda") if weighted else None
+    gg.launch_fc2_dgrad_swiglu(dy, w2, gu, lay.offsets_d, lay.counts_d, rw, dgu, hh, dw, scratch, variant=v)
+    for num_ctas in (0, 4):
+        over = gu.clone()
+        dw_o, h_o = gg.fc2_dgrad_swiglu_(dy, w2, over, lay.offsets_d, lay.counts_d, rw, tile_rows=tile, want_h=True,
+                                         block_m=v.block_m, multicast=v.multicast, num_ctas=num_ctas)
+        torch.cuda.synchronize()
+        P = lay.R_pad
+        assert torch.equal(over[:P], dgu[:P]), f"dgu over gu differs (ctas={num_ctas}, seed {seed})"
+        assert torch.equal(over[P:], gu[P:]), f"rows past R_pad changed (ctas={num_ctas}, seed {seed})"
+        assert torch.equal(h_o[:P], hh[:P]), f"h differs (ctas={num_ctas}, seed {seed})"
+        if weighted:
+            assert torch.equal(dw_o[:P], dw[:P]), f"router-weight gradient differs (ctas={num_ctas}, seed {seed})"
+        else:
+            assert dw_o is None
 
 
 @pytest.mark.gpu
