@@ -330,8 +330,8 @@ def moe_backward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], kept: S
                                               c.rows, H, True, 0)
                 gu_c = _replay_preact(call, x_c, w_c, fc1s, offs, cnts)
             # Each operand is dropped once its last reader is queued, and d gate|up is written over the
-            # chunk's gate|up (read only here; double backward is refused): the chunk's peak is dY,
-            # d gate|up and h, or d gate|up and the dX rows (none where they go home from the GEMM's
+            # chunk's gate|up (read only here; a second backward is refused, consume_kept): what the
+            # chunk allocates is dY and h, then the dX rows (none where they go home from the GEMM's
             # epilogue).
             if len(fc2s) > 1:
                 d_gu, dw_rows, h = fc2_dgrad_swiglu_segments(call, d_out, fc2s, gu_c, offs, cnts, w_c, over_ab=True)
