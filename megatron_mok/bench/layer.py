@@ -263,6 +263,21 @@ class MemoryProbe:
         so this only makes the figures follow a finished backward)."""
         torch.cuda.synchronize(self.device)
 
+    def start_events(self) -> None:
+        """Record every allocation and free from now on (the allocator's history, no stacks)."""
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", device=self.device,
+                                                 clear_history=True)
+
+    def stop_events(self) -> List[Tuple[str, int, int]]:
+        """Stop recording; the ("alloc" or "free", address, bytes) of every allocation and free
+        since :meth:`start_events`, in order."""
+        snapshot = torch.cuda.memory._snapshot(self.device)
+        torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        kinds = {"alloc": "alloc", "free_completed": "free"}
+        return [(kinds[e["action"]], int(e["addr"]), int(e["size"]))
+                for e in snapshot["device_traces"][index] if e["action"] in kinds]
+
 
 def _storages(tensors: Sequence[torch.Tensor]) -> Dict[int, int]:
     """{storage address: storage bytes} of ``tensors``, each storage once (a gradient that is
@@ -274,20 +289,46 @@ def _storages(tensors: Sequence[torch.Tensor]) -> Dict[int, int]:
     return out
 
 
+def working_peak(events: Sequence[Tuple[str, int, int]], returned: Sequence[int]) -> int:
+    """Most bytes allocated at once over ``events`` (("alloc" or "free", address, bytes), in
+    order, from a point where the count starts at 0), not counting, from its allocation on, the
+    last allocation at each address in ``returned`` (the gradients the call hands back, alive at
+    its end). So a gradient allocated after the call's working buffers were freed (a placeholder
+    at the end of a backward) does not hide them, and one allocated before them is not counted
+    in their peak."""
+    last = {}
+    for i, (kind, addr, _) in enumerate(events):
+        if kind == "alloc" and addr in returned:
+            last[addr] = i
+    live = kept = best = 0
+    for i, (kind, addr, size) in enumerate(events):
+        if kind == "alloc":
+            live += size
+            if last.get(addr) == i:
+                kept += size
+        else:
+            live -= size
+        best = max(best, live - kept)
+    return best
+
+
 def measure_memory(runner: Runner, batch: TokenBatch, probe: MemoryProbe) -> Dict[str, int]:
     """Activation memory of one forward + backward of ``runner`` on ``batch``, on this rank.
 
-    From zeroed gradients: the allocator's peak is reset, ``before`` = bytes allocated, then one
-    forward and its backward (``y.backward(dy)``), then
+    From zeroed gradients: the allocator's peak is reset, ``before`` = bytes allocated, every
+    allocation and free recorded, then one forward and its backward (``y.backward(dy)``), then
 
     * ``peak_bytes`` = peak allocated during them - ``before``: everything the call allocated
       at its high point, the output y and the gradients the backward returns included;
     * ``grad_bytes`` = bytes of the gradient tensors the backward left on the inputs and the
       expert weights (:meth:`Runner.grad_tensors`: dx, d router weights, d fc1, d fc2, each
       storage once) that did not exist before the forward;
-    * ``activation_bytes`` = ``peak_bytes`` - ``grad_bytes``: what the layer itself needs at
-      its high point (saved activations, workspaces it allocates per call, the output),
-      which is what training keeps or recomputes, layer after layer.
+    * ``activation_bytes`` = the most bytes the call held at once besides those gradients
+      (:func:`working_peak` of the recorded events): what the layer itself needs at its high
+      point (saved activations, workspaces it allocates per call, the backward's operands, the
+      output), which is what training keeps or recomputes, layer after layer. Where the
+      gradients live through the high point this is ``peak_bytes`` - ``grad_bytes``; where they
+      are allocated after it (``main_grad`` placeholders), the difference would hide it.
 
     Persistent state allocated by earlier calls (communication workspaces, caches) is in
     ``before``, so it is not counted. Untimed; not a collective (call it on every rank, after
@@ -301,15 +342,20 @@ def measure_memory(runner: Runner, batch: TokenBatch, probe: MemoryProbe) -> Dic
     probe.synchronize()
     probe.reset_peak()
     before = probe.allocated()
-    with runner.context():
-        y = runner.forward(batch)
-        y.backward(batch.dy)
-        del y
-    probe.synchronize()
+    probe.start_events()
+    try:
+        with runner.context():
+            y = runner.forward(batch)
+            y.backward(batch.dy)
+            del y
+        probe.synchronize()
+    finally:
+        events = probe.stop_events()
     peak = probe.peak() - before
-    grads = sum(n for ptr, n in _storages(runner.grad_tensors(batch)).items() if ptr not in existing)
+    returned = {ptr: n for ptr, n in _storages(runner.grad_tensors(batch)).items() if ptr not in existing}
     runner.zero_grad(batch)
-    return {"peak_bytes": peak, "grad_bytes": grads, "activation_bytes": peak - grads}
+    return {"peak_bytes": peak, "grad_bytes": sum(returned.values()),
+            "activation_bytes": working_peak(events, set(returned))}
 
 
 def memory_result(mine: Dict[str, int], need_bytes: Sequence[int], env: Dist) -> Dict[str, object]:

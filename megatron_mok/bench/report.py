@@ -71,8 +71,9 @@ def _first_line(text: str) -> str:
 LAYER_COLUMNS = ("backend", "fwd ms", "fwd TFLOP/s", "fwd/floor", "bwd ms", "bwd TFLOP/s",
                  "bwd/floor", "comm GB/s", "peak MiB", "act MiB", "act/need", "max rel err")
 """Columns of the layer table. Memory (GPU runs; "-" elsewhere): "peak MiB" = peak allocated
-during one forward + backward over what was allocated before it, "act MiB" = that minus the
-gradients the backward returns (the activation memory), "act/need" = activation memory over the
+during one forward + backward over what was allocated before it, "act MiB" = the most of it held
+at once besides the gradients the backward returns (the activation memory,
+``layer.working_peak``), "act/need" = activation memory over the
 routed-rows need (:func:`memory_line`); each the largest rank's."""
 
 
@@ -229,7 +230,7 @@ def layer_chart(doc: Dict[str, object], path: str) -> None:
         need_label = "routed-rows need: real routed rows x training-ring bytes a row"
         _grouped_bars(ax, groups, series, values, order, needs, floor_label=need_label)
         ax.set_title("activation memory, forward + backward")
-        ax.set_ylabel("MiB, peak minus returned gradients (largest rank)")
+        ax.set_ylabel("MiB, peak without the returned gradients (largest rank)")
         need_lines = [h for h, label in zip(*ax.get_legend_handles_labels()) if label == need_label]
         if need_lines:
             ax.legend(need_lines, ["routed-rows need"], fontsize=7, loc="upper left")

@@ -339,10 +339,18 @@ def test_layer_chart_with_skipped_backend_and_floor(tmp_path):
 
 
 class _ScriptedProbe:
-    """Allocator figures for the CPU: ``before`` bytes allocated, a peak ``rise`` above it."""
+    """Allocator figures for the CPU: ``before`` bytes allocated, a peak ``rise`` above it, and
+    ``events`` as the recorded allocations and frees."""
 
-    def __init__(self, before: int, rise: int):
-        self.before, self.rise, self.calls = before, rise, []
+    def __init__(self, before: int, rise: int, events=()):
+        self.before, self.rise, self.events, self.calls = before, rise, list(events), []
+
+    def start_events(self):
+        self.calls.append("start")
+
+    def stop_events(self):
+        self.calls.append("stop")
+        return self.events
 
     def reset_peak(self):
         self.calls.append("reset")
@@ -359,7 +367,21 @@ class _ScriptedProbe:
         pass
 
 
-def test_activation_memory_is_the_peak_minus_the_returned_gradients():
+def test_working_peak_leaves_out_the_returned_gradients_from_their_allocation_on():
+    wp = layer.working_peak
+    # kept rows (a), an operand (b) freed, then a gradient placeholder (g): the operand's peak
+    # stands; peak - gradients (180 - 80) would say 100.
+    assert wp([("alloc", 1, 100), ("alloc", 2, 60), ("free", 2, 60), ("alloc", 3, 80)], {3}) == 160
+    # a gradient allocated before the operand and alive to the end: peak - gradients (140 - 80).
+    assert wp([("alloc", 3, 80), ("alloc", 2, 60), ("free", 2, 60)], {3}) == 60
+    # an earlier allocation at a gradient's address is the call's own (only the last is returned).
+    assert wp([("alloc", 7, 10), ("free", 7, 10), ("alloc", 7, 20)], {7}) == 10
+    # frees of memory allocated before the count started lower it, as in the allocator's figures.
+    assert wp([("free", 9, 50), ("alloc", 1, 70)], set()) == 20
+    assert wp([], set()) == 0
+
+
+def test_activation_memory_is_the_working_peak_without_the_returned_gradients():
     T, H, I, L, K = 24, 32, 16, 4, 2
     fc1, fc2 = layer.random_weights(L, H, I, seed=3, device=torch.device("cpu"))
     experts = layer.Experts(fc1_weight=fc1, fc2_weight=fc2, num_experts=L, group=None)
@@ -367,12 +389,13 @@ def test_activation_memory_is_the_peak_minus_the_returned_gradients():
                            ep_size=1, experts_per_gpu=L, tokens_per_gpu=T)
     batch = layer.make_batch(case, RoutingSpec("uniform"), seed=5, device=torch.device("cpu"))
     runner = layer.make_runner("reference", experts, K, T)
-    probe = _ScriptedProbe(before=10 ** 6, rise=10 ** 5)
+    probe = _ScriptedProbe(before=10 ** 6, rise=10 ** 5, events=[("alloc", 1, 700), ("alloc", 2, 300), ("free", 2, 300)])
     got = layer.measure_memory(runner, batch, probe)
     # dx bf16 [T, H], d router weights fp32 [T, K], d fc1 bf16 [L, 2I, H], d fc2 bf16 [L, H, I].
     grads = T * H * 2 + T * K * 4 + L * 2 * I * H * 2 + L * H * I * 2
-    assert got == {"peak_bytes": 10 ** 5, "grad_bytes": grads, "activation_bytes": 10 ** 5 - grads}
-    assert probe.calls == ["reset", "allocated", "peak"]  # the peak restarts before the forward
+    assert got == {"peak_bytes": 10 ** 5, "grad_bytes": grads, "activation_bytes": 1000}
+    # the peak restarts and the recording starts before the forward
+    assert probe.calls == ["reset", "allocated", "start", "stop", "peak"]
     assert all(t.grad is None for t in (batch.x, batch.topk_weights, fc1, fc2))  # left zeroed
     # A gradient storage that existed before the forward is not the backward's; views count once.
     buffer, other = torch.zeros(100), torch.zeros(3, dtype=torch.bfloat16)

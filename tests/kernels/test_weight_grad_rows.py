@@ -522,3 +522,42 @@ def test_per_expert_outputs_accumulate_bitwise_as_the_stacked_main_grad():
     for l, c in enumerate(COUNTS):
         if c == 0:
             assert _same_bits(want[l], base[l]), f"empty expert {l} changed (seed {seed})"
+
+
+@pytest.mark.gpu
+def test_accumulating_is_one_fp32_add_per_element_subnormals_kept():
+    """main_grad += weight gradient is, element by element, one IEEE fp32 add rounded to nearest
+    of the fp32 gradient the plain fp32 epilogue stores: bitwise ``base + fp32 gradient`` (torch's
+    add), over the whole layout and over ranges with carries. Rows of main_grad whose gradient is
+    exactly zero (a's column zero) hold subnormal values, which must come back unchanged (no
+    flush to zero); empty experts stay as they were."""
+    seed = _seed()
+    rng = random.Random(seed)
+    lay = _Layout(128)
+    zero_cols = [5, 130]  # gradient rows m of every expert that are exactly 0
+    a = lay.a.clone()
+    a[:, zero_cols] = 0
+    grad = gg.weight_grad(a, lay.b, lay.offsets_d, lay.counts_d, out_dtype=torch.float32)
+    base = torch.randn(lay.L, M, N, device="cuda")
+    tiny = torch.finfo(torch.float32).tiny
+    sub = (torch.rand(lay.L, len(zero_cols), N, device="cuda") - 0.5) * tiny  # |x| < tiny / 2: subnormal
+    base[:, zero_cols] = sub
+    assert (base[:, zero_cols] != 0).any() and (base[:, zero_cols].abs() < tiny).all()
+    want = base + grad
+    for l, c in enumerate(COUNTS):
+        if c == 0:
+            want[l] = base[l]
+    torch.cuda.synchronize()
+    for name, bounds in {"one range": [0, lay.R], **lay.partitions(rng)}.items():
+        got = base.clone()
+        carries = [torch.full((M, N), float("nan"), device="cuda") for _ in range(2)]
+        for k, (row0, row1) in enumerate(zip(bounds[:-1], bounds[1:])):
+            last = k == len(bounds) - 2
+            gg.weight_grad_rows(_chunk(a, row0, row1, last), _chunk(lay.b, row0, row1, last), lay.offsets_d, got,
+                                row0=row0, row1=row1, carry_in=None if row0 == 0 else carries[k % 2],
+                                carry_out=None if last else carries[(k + 1) % 2], counts=lay.counts_d,
+                                accumulate=True)
+        torch.cuda.synchronize()
+        assert _same_bits(got[:, zero_cols], base[:, zero_cols]), \
+            f"ranges {name}: subnormal main_grad values under a zero gradient changed (seed {seed})"
+        assert _same_bits(got, want), f"ranges {name}: not base + the fp32 gradient, bitwise (seed {seed})"
