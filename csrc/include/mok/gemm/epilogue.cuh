@@ -77,6 +77,23 @@ __device__ __forceinline__ uint4 quad_transpose(uint32_t x0, uint32_t x1, uint32
   return make_uint4(b1 ? u2 : u0, b1 ? u3 : u1, b1 ? u0 : u2, b1 ? u1 : u3);
 }
 
+// Fragment row j (0 or 1: rows f.row and f.row + 8) of a warpgroup's 64 x WGN accumulator, rounded
+// to bf16 and quad-transposed: store(i0, v) for i0 = 0, 4, .., WGN / 8 - 4 with v the 16 bytes of
+// columns c0 + 8 i0 .. c0 + 8 i0 + 7 of that row, c0 = 8 (lane % 4). The one rounding and vector
+// layout of every direct bf16 row store (StoreEpilogue, the pushes of gemm/push.cuh), so their
+// rows are bitwise the same. All 32 lanes of each warp call it (the shuffles); `store` chooses
+// whether to write.
+template <int WGN, class Store>
+__device__ __forceinline__ void for_each_row_vector(const float (&acc)[WGN / 2], int j, Store&& store) {
+#pragma unroll
+  for (int i0 = 0; i0 < WGN / 8; i0 += 4) {
+    uint32_t x[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x[k] = bf16x2_bits(acc[4 * (i0 + k) + 2 * j], acc[4 * (i0 + k) + 2 * j + 1]);
+    store(i0, quad_transpose(x[0], x[1], x[2], x[3]));
+  }
+}
+
 // ---- staging through shared memory -----------------------------------------------------------
 
 // Writes the bf16 pair (v0, v1) at row r (0..63), column c (even, 0..63) of box `box`.
@@ -272,15 +289,9 @@ struct StoreEpilogue {
     for (int j = 0; j < 2; ++j) {
       const int row = t.row0 + wm * 64 + f.row + 8 * j;
       __nv_bfloat16* orow = p.out + static_cast<int64_t>(row) * p.ld;
-#pragma unroll
-      for (int i0 = 0; i0 < WGN / 8; i0 += 4) {
-        uint32_t x[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          x[k] = bf16x2_bits(acc[4 * (i0 + k) + 2 * j], acc[4 * (i0 + k) + 2 * j + 1]);
-        const uint4 v = quad_transpose(x[0], x[1], x[2], x[3]);
+      for_each_row_vector<WGN>(acc, j, [&](int i0, uint4 v) {
         if (row < p.rows_cap) *reinterpret_cast<uint4*>(orow + c0 + 8 * i0) = v;
-      }
+      });
     }
   }
   __device__ __forceinline__ static void finish(int) {}

@@ -6,8 +6,8 @@
 // Shared by the standalone row GEMMs (PushEpilogue: fc2 forward and the fc1 data gradient of the
 // cuda backend, csrc/src/grouped_gemm_push.cu) and the forward megakernel's fc2 epilogue
 // (megakernel/push.cuh). The fragments, the rounding and the 16-byte vectors (a quad transpose)
-// are gemm::StoreEpilogue's, so a pushed row is bitwise the row the GEMM writes and
-// mok_push_rows copies.
+// are gemm::StoreEpilogue's (one helper, for_each_row_vector), so a pushed row is bitwise the row
+// the GEMM writes and mok_push_rows copies.
 //
 // Memory ordering is the caller's: these are plain weak stores, like mok_push_rows's. The
 // standalone kernels rely on the stream order (the barrier kernel that follows them; see
@@ -62,15 +62,9 @@ __device__ __forceinline__ void push_fragment(const PushTargets& p, int64_t row0
     __nv_bfloat16* home = nullptr;
     if (entry.x >= 0)
       home = reinterpret_cast<__nv_bfloat16*>(push_region(p, entry.x) + p.slots_offset) + (int64_t)entry.y * p.H;
-#pragma unroll
-    for (int i0 = 0; i0 < WGN / 8; i0 += 4) {
-      uint32_t x[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        x[k] = bf16x2_bits(acc[4 * (i0 + k) + 2 * j], acc[4 * (i0 + k) + 2 * j + 1]);
-      const uint4 v = quad_transpose(x[0], x[1], x[2], x[3]);  // every lane: shuffles
+    for_each_row_vector<WGN>(acc, j, [&](int i0, uint4 v) {  // every lane: shuffles
       if (home != nullptr) *reinterpret_cast<uint4*>(home + c0 + 8 * i0) = v;
-    }
+    });
   }
 }
 
