@@ -34,7 +34,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -289,7 +289,7 @@ def _storages(tensors: Sequence[torch.Tensor]) -> Dict[int, int]:
     return out
 
 
-def working_peak(events: Sequence[Tuple[str, int, int]], returned: Sequence[int]) -> int:
+def working_peak(events: Sequence[Tuple[str, int, int]], returned: AbstractSet[int]) -> int:
     """Most bytes allocated at once over ``events`` (("alloc" or "free", address, bytes), in
     order, from a point where the count starts at 0), not counting, from its allocation on, the
     last allocation at each address in ``returned`` (the gradients the call hands back, alive at
