@@ -3,7 +3,9 @@
 
 Per routing: one untimed call (workspace, library), then the peak allocated during one forward +
 backward of every rank above what was allocated before it, minus the gradients it returns
-("activation memory", as the layer benchmark counts it), and the median time of a few calls.
+("activation memory" as peak minus gradients, which any build can be measured by; the layer
+benchmark counts from the recorded allocations, ~56 MiB a rank more at the Kimi-K2 shape, where dx
+and the router-weight gradient come after the peak), and the median time of a few calls.
 
     python tools/perf/training_memory.py --ranks 4 --experts 8 --routing uniform hot
     python tools/perf/training_memory.py --ranks 4 --training-ring-rows 0     (replay every row)
