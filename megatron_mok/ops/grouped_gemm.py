@@ -506,6 +506,22 @@ def _(h, fc2_weight, offsets, variant, num_ctas):
     return h.new_empty((h.shape[0], fc2_weight.shape[1]))
 
 
+def _fc2_dgrad_swiglu_into(dy, fc2_weight, gu, offsets, counts, router_weight, dgu, variant: List[int], want_h: bool,
+                           num_ctas: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The fc2 data gradient + SwiGLU backward into ``dgu`` (bf16 [R, 2I]: a new buffer, or ``gu``
+    itself). Returns d_router_weight fp32 [R] ([0] without router_weight) and h bf16 [R, I]
+    ([0, I] unless want_h)."""
+    R, I = dy.shape[0], fc2_weight.shape[2]
+    h = dy.new_empty((R if want_h else 0, I))
+    weighted = router_weight is not None
+    dw = dy.new_empty((R if weighted else 0,), dtype=torch.float32)
+    scratch = dy.new_empty((dgrad_scratch_floats(R, I) if weighted else 0,), dtype=torch.float32)
+    launch_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, dgu, h if want_h else None,
+                            dw if weighted else None, scratch if weighted else None, variant=Variant(*variant),
+                            num_ctas=num_ctas)
+    return dw, h
+
+
 @mok_op("mok::gemm_fc2_dgrad_swiglu", mutates_args=())
 def gemm_fc2_dgrad_swiglu_op(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: torch.Tensor, offsets: torch.Tensor,
                              counts: torch.Tensor, router_weight: Optional[torch.Tensor], variant: List[int],
@@ -515,16 +531,8 @@ def gemm_fc2_dgrad_swiglu_op(dy: torch.Tensor, fc2_weight: torch.Tensor, gu: tor
     Returns dgu bf16 [R, 2I]; d_router_weight fp32 [R] ([0] without router_weight); h bf16
     [R, I] recomputed ([0, I] unless want_h).
     """
-    R = dy.shape[0]
-    I = fc2_weight.shape[2]
-    dgu = dy.new_empty((R, 2 * I))
-    h = dy.new_empty((R if want_h else 0, I))
-    weighted = router_weight is not None
-    dw = dy.new_empty((R if weighted else 0,), dtype=torch.float32)
-    scratch = dy.new_empty((dgrad_scratch_floats(R, I) if weighted else 0,), dtype=torch.float32)
-    launch_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, dgu, h if want_h else None,
-                            dw if weighted else None, scratch if weighted else None, variant=Variant(*variant),
-                            num_ctas=num_ctas)
+    dgu = dy.new_empty((dy.shape[0], 2 * fc2_weight.shape[2]))
+    dw, h = _fc2_dgrad_swiglu_into(dy, fc2_weight, gu, offsets, counts, router_weight, dgu, variant, want_h, num_ctas)
     return dgu, dw, h
 
 
@@ -545,16 +553,7 @@ def gemm_fc2_dgrad_swiglu_inplace_op(dy: torch.Tensor, fc2_weight: torch.Tensor,
     Returns d_router_weight fp32 [R] ([0] without router_weight) and h bf16 [R, I] ([0, I]
     unless want_h).
     """
-    R = dy.shape[0]
-    I = fc2_weight.shape[2]
-    h = dy.new_empty((R if want_h else 0, I))
-    weighted = router_weight is not None
-    dw = dy.new_empty((R if weighted else 0,), dtype=torch.float32)
-    scratch = dy.new_empty((dgrad_scratch_floats(R, I) if weighted else 0,), dtype=torch.float32)
-    launch_fc2_dgrad_swiglu(dy, fc2_weight, gu, offsets, counts, router_weight, gu, h if want_h else None,
-                            dw if weighted else None, scratch if weighted else None, variant=Variant(*variant),
-                            num_ctas=num_ctas)
-    return dw, h
+    return _fc2_dgrad_swiglu_into(dy, fc2_weight, gu, offsets, counts, router_weight, gu, variant, want_h, num_ctas)
 
 
 @gemm_fc2_dgrad_swiglu_inplace_op.register_fake

@@ -425,6 +425,15 @@ def test_fc1_preact_is_the_fused_kernels_pre_activation(tile):
     assert torch.equal(gu[real], gu_fused[real]), f"fc1_preact differs from the fused kernel's gu (seed {seed})"
 
 
+def _fc2_dgrad_swiglu_inputs(lay, H, I, weighted):
+    """dy bf16 [R, H], fc2 weight bf16 [L, H, I], gu bf16 [R, 2I], router weight fp32 [R] or None."""
+    dy = torch.randn(lay.R, H, device="cuda").bfloat16()
+    w2 = (torch.randn(lay.L, H, I, device="cuda") / H ** 0.5).bfloat16()
+    gu = torch.randn(lay.R, 2 * I, device="cuda").bfloat16()
+    rw = torch.rand(lay.R, device="cuda") if weighted else None
+    return dy, w2, gu, rw
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", _configs("fc2_dgrad_swiglu"), ids=_id)
 @pytest.mark.parametrize("weighted", [False, True])
@@ -433,10 +442,7 @@ def test_fc2_dgrad_swiglu(cfg, weighted):
     seed = _seed()
     lay = Layout(SMALL, tile)
     H, I = 1024, 512
-    dy = torch.randn(lay.R, H, device="cuda").bfloat16()
-    w2 = (torch.randn(lay.L, H, I, device="cuda") / H ** 0.5).bfloat16()
-    gu = torch.randn(lay.R, 2 * I, device="cuda").bfloat16()
-    rw = torch.rand(lay.R, device="cuda") if weighted else None
+    dy, w2, gu, rw = _fc2_dgrad_swiglu_inputs(lay, H, I, weighted)
     dh = ref_rowwise(lay, dy, lambda l: w2[l])
     dgu_ref, dw_ref, h_ref = ref_swiglu_bwd(lay, dh, gu, rw)
     for num_ctas in (0, 4):
@@ -463,10 +469,7 @@ def test_fc2_dgrad_swiglu_written_over_gu_is_bitwise_the_separate_output(cfg, we
     seed = _seed()
     lay = Layout(SMALL, tile)
     H, I = 1024, 512
-    dy = torch.randn(lay.R, H, device="cuda").bfloat16()
-    w2 = (torch.randn(lay.L, H, I, device="cuda") / H ** 0.5).bfloat16()
-    gu = torch.randn(lay.R, 2 * I, device="cuda").bfloat16()
-    rw = torch.rand(lay.R, device="cuda") if weighted else None
+    dy, w2, gu, rw = _fc2_dgrad_swiglu_inputs(lay, H, I, weighted)
     dgu, hh = _poisoned(lay.R, 2 * I), _poisoned(lay.R, I)
     dw = _poisoned(lay.R, dtype=torch.float32) if weighted else None
     scratch = torch.empty(gg.dgrad_scratch_floats(lay.R, I), device="cuda") if weighted else None
