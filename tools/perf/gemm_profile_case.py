@@ -35,7 +35,10 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=8)
     ap.add_argument("--routing", default="uniform")
     ap.add_argument("--tile", type=int, default=128)
-    ap.add_argument("--kernels", default="fc1,fc2", help="of fc1, fc1-no-gu, fc1-plain, fc2")
+    ap.add_argument("--kernels", default="fc1,fc2",
+                    help="of fc1, fc1-no-gu, fc1-plain, fc2, and the weight gradients wgrad-fc1, wgrad-fc2 "
+                         "(bf16, TMA-staged, with the counts) and wgrad-fc1-acc, wgrad-fc2-acc (into an fp32 "
+                         "main_grad per expert), which take no variant")
     ap.add_argument("--variants", default="m128n256t,m128n256tc")
     ap.add_argument("--torch", action="store_true", help="also run torch._grouped_mm on the same GEMM")
     ap.add_argument("--shape", default=None, help="H,I,E instead of the model's (e.g. odd multiples of 64 and 128)")
@@ -50,6 +53,18 @@ def main() -> None:
     c = bench.Case(w1, w2, H, I, L, counts, args.tile)
     launches = []
     for kernel in args.kernels.split(","):
+        if kernel.startswith("wgrad-"):  # as the backends run them: dW1 = dgu^T x, dW2 = dy^T h
+            c.dgu.normal_()  # scratch of the Case: any finite values
+            c.h.normal_()
+            a, b = (c.dgu, c.x) if kernel.startswith("wgrad-fc1") else (c.dy, c.h)
+            if kernel.endswith("-acc"):
+                mains = [torch.zeros(a.shape[1], b.shape[1], device="cuda") for _ in range(L)]
+                f = lambda a=a, b=b, m=mains: gg.weight_grad_into(a, b, c.offsets, m, counts=c.counts_d)
+            else:
+                out = torch.empty(L, a.shape[1], b.shape[1], dtype=torch.bfloat16, device="cuda")
+                f = lambda a=a, b=b, o=out: gg.launch_weight_grad(a, b, c.offsets, o, tma_store=True, counts=c.counts_d)
+            launches.append((kernel, f))
+            continue
         for name in args.variants.split(","):
             v = variant_of(name)
             if v not in gg.VARIANTS["fc1" if kernel.startswith("fc1") else kernel]:

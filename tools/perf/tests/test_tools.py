@@ -408,3 +408,42 @@ def test_backward_breakdown_lists_the_gpu_gaps_and_the_kernels(monkeypatch):
     table = bb.kernel_table(Prof(), 5).splitlines()
     assert "k1" in table[0] and "2x" in table[0] and "k2" in table[1] and "cpu" not in "".join(table)
     assert table[-1].strip() == "4.000 ms in all kernels"
+
+
+# ---- ncu_stalls.py ------------------------------------------------------------------------------
+
+def _source_csv(lines):
+    """An `ncu --page source --csv` output: program output, the kernel-name row, the header, one row
+    per (address, source, {reason: samples})."""
+    reasons = ["stall_barrier", "stall_long_sb", "stall_wait"]
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)",
+              "Warp Stall Sampling (Not-issued Samples)"] + reasons + [r + " (Not Issued)" for r in reasons]
+    out = ["done", '"Kernel Name","void wgrad_kernel<...>"', ",".join(f'"{c}"' for c in header)]
+    for addr, src, by in lines:
+        vals = [addr, src, f"{sum(by.values()):,}", "0"] + [str(by.get(r, 0)) for r in reasons] + ["0"] * 3
+        out.append(",".join(f'"{v}"' for v in vals))
+    return "\n".join(out) + "\n"
+
+
+def test_ncu_stalls_reports_reasons_and_the_lines_with_most_samples():
+    import ncu_stalls as mod
+
+    text = _source_csv([("0x10", "HGMMA.64x256x16", {"stall_wait": 100}),
+                        ("0x20", "@!P1 BRA 0x80", {"stall_long_sb": 1500, "stall_wait": 500}),
+                        ("0x30", "WARPGROUP.DEPBAR.LE gsb0, 0x1", {"stall_barrier": 1000})])
+    reasons, samples, lines = mod.read_source_csv(text)
+    assert reasons == ["stall_barrier", "stall_long_sb", "stall_wait"] and len(lines) == 3
+    report = mod.summarize(reasons, samples, lines, top=2)
+    assert "3 SASS lines, 3100 samples" in report
+    assert "long_sb 48.4%" in report and "barrier 32.3%" in report and "wait 19.4%" in report
+    body = report.splitlines()[2:]
+    assert len(body) == 2 and "0x20" in body[0] and "long_sb 48.4%, wait 16.1%" in body[0] and "0x30" in body[1]
+
+
+def test_ncu_stalls_rejects_other_pages_and_empty_samples():
+    import ncu_stalls as mod
+
+    with pytest.raises(ValueError, match="no source-page header"):
+        mod.read_source_csv('"ID","Kernel Name"\n"0","k"\n')
+    with pytest.raises(ValueError, match="no warp-stall samples"):
+        mod.summarize(*mod.read_source_csv(_source_csv([("0x10", "NOP", {})])), top=5)
