@@ -4,6 +4,8 @@ Python tool answers --help, each shell tool parses), and the standalone CUDA pro
 from __future__ import annotations
 
 import io
+import json
+import os
 import subprocess
 import sys
 import time
@@ -447,3 +449,89 @@ def test_ncu_stalls_rejects_other_pages_and_empty_samples():
         mod.read_source_csv('"ID","Kernel Name"\n"0","k"\n')
     with pytest.raises(ValueError, match="no warp-stall samples"):
         mod.summarize(*mod.read_source_csv(_source_csv([("0x10", "NOP", {})])), top=5)
+
+
+# ---- ab_builds ------------------------------------------------------------------------------------
+
+def _fake_ab_dir(tmp_path):
+    """An ab dir whose two 'libraries' are marker files, and a repository root beside it."""
+    ab = tmp_path / "ab"
+    for side in ("base", "cand"):
+        (ab / side / "lib").mkdir(parents=True)
+        (ab / side / "lib" / "libmegatron_mok.so").write_text(side)
+    root = tmp_path / "root"
+    root.mkdir()
+    return ab, root
+
+
+def test_ab_builds_order_takes_both_sides_and_nothing_else():
+    import ab_builds
+
+    assert ab_builds.parse_order("abba") == ["A", "B", "B", "A"]
+    for bad in ("", "AAA", "ABC", "B"):
+        with pytest.raises(ValueError, match="both A and B"):
+            ab_builds.parse_order(bad)
+
+
+def test_ab_builds_runs_each_side_in_its_tree_with_its_library(tmp_path):
+    """Side A in the ref's tree, B in the root; each with its own MOK_LIBRARY, its tree first on
+    PYTHONPATH and the root's path dropped from A's; lines labelled by run; the first failing
+    run's status is returned and every run still runs."""
+    import ab_builds
+
+    ab, root = _fake_ab_dir(tmp_path)
+    code = ("import os, sys; print(os.getcwd()); print(os.environ['MOK_LIBRARY']); "
+            "print(os.environ['PYTHONPATH']); sys.exit(3 if os.getcwd().endswith('base') else 0)")
+    out = io.StringIO()
+    os_env_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(root), "/elsewhere"])
+    try:
+        status = ab_builds.run(["A", "B", "B", "A"], [sys.executable, "-c", code], ab, root=root, out=out)
+    finally:
+        if os_env_path is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = os_env_path
+    lines = out.getvalue().splitlines()
+    by_run = {}
+    for line in lines:
+        label, _, rest = line.partition(" ")
+        by_run.setdefault(label, []).append(rest)
+    assert list(by_run) == ["A1", "B1", "B2", "A2"]
+    for label, rows in by_run.items():
+        side = "base" if label[0] == "A" else "cand"
+        tree = ab / "base" if label[0] == "A" else root
+        assert rows[0] == str(tree)
+        assert rows[1] == str(ab / side / "lib" / "libmegatron_mok.so")
+        assert rows[2].split(os.pathsep) == [str(tree), "/elsewhere"]
+        assert rows[3] == f"exit {3 if label[0] == 'A' else 0}"
+    assert status == 3
+
+
+def test_ab_builds_run_needs_both_libraries(tmp_path):
+    import ab_builds
+
+    ab, root = _fake_ab_dir(tmp_path)
+    (ab / "cand" / "lib" / "libmegatron_mok.so").unlink()
+    with pytest.raises(FileNotFoundError, match="side B"):
+        ab_builds.run(["A", "B"], [sys.executable, "-c", "pass"], ab, root=root, out=io.StringIO())
+
+
+def test_ab_builds_prepare_exports_the_ref_and_builds_both_sides(tmp_path):
+    """prepare on this repository with HEAD as the ref (the builder is a recorder): the ref's
+    package, tools and csrc are exported, the builder gets (ref tree, its lib) and (root, cand lib),
+    and the manifest names the commits."""
+    import ab_builds
+
+    built = []
+    ab = tmp_path / "ab"
+    manifest = ab_builds.prepare("HEAD", ab, build=lambda tree, out: built.append((tree, out)))
+    for path in ab_builds.TREE_PATHS:
+        assert (ab / "base" / path).is_dir(), path
+    assert (ab / "base" / "megatron_mok" / "_build.py").is_file()
+    assert built == [(ab / "base", ab / "base" / "lib"), (ab_builds.ROOT, ab / "cand" / "lib")]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert manifest["A"] == {"ref": "HEAD", "commit": head} and manifest["B"]["commit"] == head
+    assert json.loads((ab / "manifest.json").read_text()) == manifest
+    with pytest.raises(subprocess.CalledProcessError):
+        ab_builds.prepare("no-such-ref-xyz", tmp_path / "ab2", build=lambda tree, out: None)
