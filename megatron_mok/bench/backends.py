@@ -169,7 +169,8 @@ class MokRunner(_LeafGradsRunner):
     an EP group), so the benchmark passes the case's token count even when a check with fewer
     tokens runs first."""
 
-    def __init__(self, name: str, experts: Experts, max_tokens: int, training_ring_rows: Optional[int] = None):
+    def __init__(self, name: str, experts: Experts, max_tokens: int, training_ring_rows: Optional[int] = None,
+                 tile_rows: int = 128):
         super().__init__(experts)
         self.name = name
         self.backend = MOK_BACKENDS[name]
@@ -180,7 +181,8 @@ class MokRunner(_LeafGradsRunner):
             raise Skip(f"megatron_mok.functional does not import ({err})") from err
         self._mok_moe = mok_moe
         self._unavailable = BackendUnavailable
-        self.config = MoKConfig(max_tokens_per_rank=max_tokens, training_ring_rows=training_ring_rows)
+        self.config = MoKConfig(max_tokens_per_rank=max_tokens, training_ring_rows=training_ring_rows,
+                                tile_rows=tile_rows)
 
     def forward(self, batch: TokenBatch, mark: Mark = None) -> torch.Tensor:
         e = self.experts
@@ -322,18 +324,18 @@ def main_grad_buffers(fc1_weight: torch.Tensor, fc2_weight: torch.Tensor
 
 
 def make_runner(name: str, experts: Experts, topk: int, max_tokens: int, megatron_experts: str = "auto",
-                training_ring_rows: Optional[int] = None) -> Runner:
+                training_ring_rows: Optional[int] = None, tile_rows: int = 128) -> Runner:
     """Prepare backend ``name`` (a key of :data:`BACKENDS`) for ``experts``, top-``topk``
     routing and batches of at most ``max_tokens`` tokens per rank (``megatron_experts``: the
-    expert module of the Megatron backends, ``--megatron-experts``; ``training_ring_rows``: MoK's
-    ``MoKConfig.training_ring_rows``, None for its default).
+    expert module of the Megatron backends, ``--megatron-experts``; ``training_ring_rows`` and
+    ``tile_rows``: MoK's ``MoKConfig`` fields, None for the ring's default).
 
     Raises:
         Skip: when the backend cannot run here, with the reason.
         ValueError: for an unknown name.
     """
     if name in MOK_BACKENDS:
-        return MokRunner(name, experts, max_tokens, training_ring_rows)
+        return MokRunner(name, experts, max_tokens, training_ring_rows, tile_rows)
     if name == "a2a-grouped-mm":
         return A2ARunner(experts)
     if name in megatron_layer.MEGATRON_BACKENDS:

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--training-ring-rows", type=int, default=None,
                    help="MoK's MoKConfig.training_ring_rows (rows whose activations a forward keeps; the "
                         "backward replays the rest); default: its rule")
+    p.add_argument("--tile-rows", type=int, choices=(128, 64), default=128,
+                   help="MoK's MoKConfig.tile_rows (the expert segments' padding); the megakernel takes only "
+                        "128 and is skipped with its reason at 64")
     p.add_argument("--main-grad", action="store_true",
                    help="the expert weight gradients go into fp32 main_grad buffers, as under Megatron's DDP "
                         "with gradient-accumulation fusion: MoK's backends accumulate in their weight-gradient "
@@ -476,7 +479,7 @@ def check_backend(name: str, runner, plan: CheckPlan, args, env: Dist, case: Ben
     """Run backend ``name`` on the plan's batch and compare with the reference's outcome."""
     own = plan.experts is runner.experts
     check_runner = runner if own else make_runner(name, plan.experts, case.shape.topk, case.tokens_per_gpu,
-                                                  args.megatron_experts)
+                                                  args.megatron_experts, args.training_ring_rows, args.tile_rows)
     try:
         with _bf16_grads(plan.experts):
             got = run_once(check_runner, plan.batch)
@@ -511,7 +514,7 @@ def run_backend(name: str, case: BenchCase, batch: TokenBatch, experts: Experts,
     try:
         progress.phase("preparing (building the layer, copying the weights)")
         runner = make_runner(name, experts, shape.topk, case.tokens_per_gpu, args.megatron_experts,
-                             args.training_ring_rows)
+                             args.training_ring_rows, args.tile_rows)
         if getattr(runner, "expert_module", None):
             result["expert_module"] = runner.expert_module
             progress.line(f"experts: {runner.expert_module}")
@@ -656,7 +659,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "tokens_per_gpu": args.tokens, "routing": routing.to_json(), "routing_label": routing.label,
                 "backends": list(backends), "warmup": args.warmup, "iters": args.iters,
                 "check_tokens_per_gpu": args.check_tokens, "dtype": "bf16", "seed": args.seed,
-                "megatron_experts": args.megatron_experts,
+                "megatron_experts": args.megatron_experts, "tile_rows": args.tile_rows,
             },
             "rates": rates.to_json(),
             "runs": [],

@@ -268,6 +268,7 @@ def test_layer_run_on_gloo_writes_checked_results(tmp_path):
     assert doc["schema"] == "megatron-mok/bench-layer/1"
     assert doc["rates"]["gemm_tflops"] == 792.0 and "measured on an H200" in doc["rates"]["source"]
     assert doc["command"].startswith("torchrun --nproc-per-node 2 -m megatron_mok.bench layer")
+    assert doc["settings"]["tile_rows"] == 128
     assert [r["label"] for r in doc["runs"]] == ["custom, 4 exp/GPU", "custom, 2 exp/GPU"]
     for run in doc["runs"]:
         case, routes = run["case"], run["routes"]
@@ -379,6 +380,20 @@ def test_working_peak_leaves_out_the_returned_gradients_from_their_allocation_on
     # frees of memory allocated before the count started lower it, as in the allocator's figures.
     assert wp([("free", 9, 50), ("alloc", 1, 70)], set()) == 20
     assert wp([], set()) == 0
+
+
+def test_layer_tile_rows_reach_the_mok_config_and_the_record():
+    """--tile-rows (128 by default, or 64) is the MoK runners' MoKConfig.tile_rows; other values
+    are refused by the parser (the JSON record: test_layer_run_on_gloo_writes_checked_results)."""
+    parser = layer.build_parser()
+    assert parser.parse_args([]).tile_rows == 128
+    assert parser.parse_args(["--tile-rows", "64"]).tile_rows == 64
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tile-rows", "96"])
+    fc1, fc2 = layer.random_weights(4, 32, 16, seed=3, device=torch.device("cpu"))
+    experts = layer.Experts(fc1_weight=fc1, fc2_weight=fc2, num_experts=4, group=None)
+    assert layer.make_runner("reference", experts, 2, 24).config.tile_rows == 128
+    assert layer.make_runner("reference", experts, 2, 24, tile_rows=64).config.tile_rows == 64
 
 
 def test_activation_memory_is_the_working_peak_without_the_returned_gradients():

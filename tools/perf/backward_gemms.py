@@ -1,7 +1,8 @@
 """The layer backward's four GEMMs alone, standalone and back to back: how much of the unfused
 backward is its GEMMs, and so how much one fused launch could save by overlapping the rest.
 
-Kimi-K2 by default (H 7168, I 2048, 4096 tokens, top-8), uniform routing, 128-row segments, the
+Kimi-K2 by default (H 7168, I 2048, 4096 tokens, top-8), uniform routing, 128-row segments
+(``--tile-rows 64``: 64-row segments and the GEMMs' defaults for them), the
 experts' counts given (as the backends run them): the fc2 data gradient with the SwiGLU backward
 and the router-weight gradient, the fc2 and fc1 weight gradients (bf16, TMA-staged), the plain
 fc1 data gradient (the backends push its rows home from the epilogue where experts are large).
@@ -24,7 +25,7 @@ def run(L: int, args) -> None:
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(L)
     counts = expert_counts(L, T * K, "uniform", gen)
-    offs = offsets_of(counts, 128)
+    offs = offsets_of(counts, args.tile_rows)
     R = offs[-1]
     real = torch.zeros(R, dtype=torch.bool, device=dev)
     for e, c in enumerate(counts):
@@ -40,7 +41,7 @@ def run(L: int, args) -> None:
     dwr = torch.empty(R, device=dev)
     scratch = torch.empty(gg.dgrad_scratch_floats(R, I), device=dev)
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-    v_d2, v_d1 = gg.variant("fc2_dgrad_swiglu", 128), gg.variant("dgrad", 128)
+    v_d2, v_d1 = gg.variant("fc2_dgrad_swiglu", args.tile_rows), gg.variant("dgrad", args.tile_rows)
     steps = {
         "fc2 data gradient + SwiGLU": lambda: gg.launch_fc2_dgrad_swiglu(dy, w2, gu, offsets, counts_d, rw, dgu, h,
                                                                         dwr, scratch, variant=v_d2),
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=2048)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tile-rows", type=int, choices=(128, 64), default=128, help="the segments' padding")
     args = ap.parse_args()
     for L in args.experts:
         run(L, args)
