@@ -46,8 +46,8 @@ int fc2_dgrad_swiglu(const void* dy, const void* w2, const void* gu, const int32
 
 // out[R, N] = a[R, K] * W_e with W_e = w[e] as [K, N] (MN-major B).
 template <int BM, int WGN, bool kTma, bool kMc>
-int dgrad(const void* a, const void* w, const int32_t* offsets, const int32_t* counts, void* out,
-          int64_t rows_cap, int L, int K, int N, int num_ctas, cudaStream_t stream) {
+int dgrad(const void* a, const void* w, const int32_t* offsets, void* out, int64_t rows_cap, int L,
+          int K, int N, int num_ctas, cudaStream_t stream) {
   using Cfg = RowCfg<BM, WGN, BLayout::kMNMajor, kTma, kMc>;
   using Epi = std::conditional_t<kTma, TmaStoreEpilogue, StoreEpilogue>;
   MOK_REQUIRE(K % kBK == 0 && N % Cfg::BN == 0);
@@ -66,21 +66,20 @@ int dgrad(const void* a, const void* w, const int32_t* offsets, const int32_t* c
     p.epi = {static_cast<__nv_bfloat16*>(out), N, rows_cap};
   }
   p.offsets = offsets;
-  p.counts = counts;  // only to skip the row blocks of padding: the plain epilogues store every row
+  p.counts = nullptr;
   p.L = L;
   p.num_cb = N / Cfg::BN;
   p.rows_cap = rows_cap;
-  p.skip_padding_blocks = counts != nullptr;
   return launch_row_gemm<Cfg>(p, num_ctas, stream);
 }
 
-int dgrad_variant(const void* a, const void* w, const int32_t* offsets, const int32_t* counts,
-                  void* out, int64_t rows_cap, int L, int K, int N, int block_m, int wg_n, int tma_store,
+int dgrad_variant(const void* a, const void* w, const int32_t* offsets, void* out,
+                  int64_t rows_cap, int L, int K, int N, int block_m, int wg_n, int tma_store,
                   int multicast, int num_ctas, cudaStream_t stream) {
   if (wg_n == 0) wg_n = 256;
 #define MOK_DGRAD(BM, WGN, TMA, MC)                                                              \
   if (block_m == BM && wg_n == WGN && (tma_store != 0) == TMA && (multicast != 0) == MC)        \
-    return dgrad<BM, WGN, TMA, MC>(a, w, offsets, counts, out, rows_cap, L, K, N, num_ctas, stream);
+    return dgrad<BM, WGN, TMA, MC>(a, w, offsets, out, rows_cap, L, K, N, num_ctas, stream);
   MOK_DGRAD(128, 256, false, false)
   MOK_DGRAD(64, 256, false, false)
   MOK_DGRAD(128, 256, true, false)
@@ -123,13 +122,12 @@ MOK_API int mok_gemm_fc2_dgrad_swiglu(const void* dy, const void* fc2_weight, co
 }
 
 MOK_API int mok_gemm_fc1_dgrad(const void* dgu, const void* fc1_weight, const int32_t* offsets,
-                               const int32_t* counts, void* dx, int64_t rows_cap, int L, int H,
-                               int I, int block_m, int wg_n, int tma_store, int multicast,
-                               int num_ctas, cudaStream_t stream) {
+                               void* dx, int64_t rows_cap, int L, int H, int I, int block_m,
+                               int wg_n, int tma_store, int multicast, int num_ctas,
+                               cudaStream_t stream) {
   MOK_REQUIRE(dgu && fc1_weight && offsets && dx && common_ok(rows_cap, L, H, I) && aligned16(dx));
-  MOK_REQUIRE(counts == nullptr || !multicast);
   if (rows_cap == 0) return MOK_OK;
-  return dgrad_variant(dgu, fc1_weight, offsets, counts, dx, rows_cap, L, 2 * I, H, block_m, wg_n,
+  return dgrad_variant(dgu, fc1_weight, offsets, dx, rows_cap, L, 2 * I, H, block_m, wg_n,
                        tma_store, multicast, num_ctas, stream);
 }
 
@@ -139,6 +137,6 @@ MOK_API int mok_gemm_fc2_dgrad(const void* dy, const void* fc2_weight, const int
                                cudaStream_t stream) {
   MOK_REQUIRE(dy && fc2_weight && offsets && dh && common_ok(rows_cap, L, H, I) && aligned16(dh));
   if (rows_cap == 0) return MOK_OK;
-  return dgrad_variant(dy, fc2_weight, offsets, nullptr, dh, rows_cap, L, H, I, block_m, wg_n, tma_store,
+  return dgrad_variant(dy, fc2_weight, offsets, dh, rows_cap, L, H, I, block_m, wg_n, tma_store,
                        multicast, num_ctas, stream);
 }

@@ -43,7 +43,6 @@ class ExpertCall:
     num_experts: int
     hopper_gemms: bool  # MoK's Hopper GEMMs with SwiGLU fused (hopper_gemms_apply), else torch's
     push_from_gemm: bool = False  # fc2 / the fc1 data gradient push rows home from their epilogue
-    fc1_dgrad_block_m: int = 0  # rows of the fc1 data gradient's tiles (0: the layout's default)
 
 
 PUSH_FROM_GEMM_MIN_ROWS = 384
@@ -53,24 +52,6 @@ H200 (Kimi-K2, P = 1, in one process, alternating): at 683 rows per expert the f
 0.12-0.36 ms of the backward and 0.2 ms of the cuda forward; at 170 it costs 0.68 ms and 0.25 ms
 (the GEMMs stream their weights from HBM there, and the scattered 512-byte row stores compete
 with them). 384 is twice the rows at which these GEMMs turn compute-bound on an H200 (~190)."""
-
-
-HALF_TILE_DGRAD_MAX_ROWS = 256
-"""Expected rows per local expert (T * K / L) up to which the plain fc1 data gradient (the one that
-writes its rows for the push kernel) runs 64-row tiles on the 128-row segments, skipping each
-expert's padding-only last half: at ~170 rows per expert a 128-row segment layout computes 256 rows
-for 170, 64-row tiles 192. Measured on one H200 (Kimi-K2, P = 1, standalone on 64-row segments):
-4.59 -> 4.02 ms at 170 rows per expert, level (3.10 -> 3.07) at 683, where 128-row tiles waste
-only ~9% and a 64-row tile loads its weight tile for half as many rows. 256 is the bound of the
-weight-bound regime (``config.WEIGHT_BOUND_ROWS_PER_EXPERT``). The bits are the same either way
-(same K order per element)."""
-
-
-def fc1_dgrad_block_m(shape: MoEShape, hopper_gemms: bool, segment_rows: int, push_from_gemm: bool) -> int:
-    """Rows of the plain fc1 data gradient's tiles (:data:`HALF_TILE_DGRAD_MAX_ROWS`); 0 takes the
-    layout's default."""
-    small = shape.tokens * shape.topk <= HALF_TILE_DGRAD_MAX_ROWS * shape.experts_per_rank
-    return 64 if hopper_gemms and segment_rows == 128 and not push_from_gemm and small else 0
 
 
 def push_from_gemm_applies(shape: MoEShape, hopper_gemms: bool) -> bool:
@@ -116,19 +97,6 @@ def fc1_swiglu_segments(call: ExpertCall, x_disp, fc1s, offsets, counts, w_disp)
         v = mok_gemm.check_fc1_swiglu(x_disp, w, offs, cnts, w_disp, call.segment_rows)
         mok_gemm.launch_fc1_swiglu(x_disp, w, offs, cnts, w_disp, h, gu, variant=v)
     return h, gu
-
-
-def fc1_dgrad_segments(call: ExpertCall, d_ab, fc1s, offsets, counts):
-    """dx rows bf16 [R, H] = d_ab [R, 2I] W1_e per expert with MoK's Hopper GEMMs, one launch per
-    weight segment, in tiles of ``call.fc1_dgrad_block_m`` rows (padding-only row blocks skipped,
-    their rows left unset) or the layout's default."""
-    out = d_ab.new_empty((d_ab.shape[0], fc1s[0].shape[2]))
-    block_m = call.fc1_dgrad_block_m or None
-    for w, offs, cnts in segments(fc1s, offsets, counts):
-        skip = cnts if block_m is not None else None
-        v = mok_gemm.check_fc1_dgrad(d_ab, w, offs, call.segment_rows, block_m=block_m, counts=skip)
-        mok_gemm.launch_fc1_dgrad(d_ab, w, offs, out, variant=v, counts=skip)
-    return out
 
 
 def plain_gemm_segments(call: ExpertCall, a, weights, offsets, counts, cols: int, check, launch):
@@ -193,7 +161,8 @@ def expert_backward(call: ExpertCall, d_out, x_disp, w_disp, ab, fc1, fc2, offse
         d_ab, dw_rows, hw = fc2_dgrad_swiglu_segments(call, d_out, fc2s, ab, offsets, counts, w_disp)
         d_fc2, d_fc2_2 = _weight_grad_segments(d_out, hw, fc2s, offsets, counts)
         d_fc1, d_fc1_2 = _weight_grad_segments(d_ab, x_disp, fc1s, offsets, counts)
-        dx_rows = fc1_dgrad_segments(call, d_ab, fc1s, offsets, counts)
+        dx_rows = plain_gemm_segments(call, d_ab, fc1s, offsets, counts, fc1.shape[2],
+                                       mok_gemm.check_fc1_dgrad, mok_gemm.launch_fc1_dgrad)
         return dx_rows, dw_rows, d_fc1, d_fc2, d_fc1_2, d_fc2_2
     if call.hopper_gemms:
         d_ab, dw_rows, hw = mok_gemm.fc2_dgrad_swiglu(d_out, fc2, ab, offsets, counts, w_disp,
@@ -204,7 +173,7 @@ def expert_backward(call: ExpertCall, d_out, x_disp, w_disp, ab, fc1, fc2, offse
     d_fc2 = _weight_grad(call, d_out, hw, offsets, counts)  # [L, H, I]
     d_fc1 = _weight_grad(call, d_ab, x_disp, offsets, counts)  # [L, 2I, H]
     if call.hopper_gemms:
-        dx_rows = fc1_dgrad_segments(call, d_ab, (fc1,), offsets, counts)
+        dx_rows = mok_gemm.fc1_dgrad(d_ab, fc1, offsets, tile_rows=call.segment_rows)
     else:
         dx_rows = _grouped_mm(d_ab, fc1, offsets[1:])
     return dx_rows, dw_rows, d_fc1, d_fc2, d_fc1_2, d_fc2_2
@@ -228,7 +197,6 @@ def expert_call(config: MoKConfig, shape: MoEShape, ep_size: int, segment_rows: 
     """The :class:`ExpertCall` for this config and shape (cached: every layer of a model asks on
     every call)."""
     hopper = hopper_gemms_apply(shape, segment_rows)
-    push = push_from_gemm_applies(shape, hopper)
     return ExpertCall(segment_rows=segment_rows, timeout_s=float(config.timeout_s),
                       num_experts=ep_size * shape.experts_per_rank, hopper_gemms=hopper,
-                      push_from_gemm=push, fc1_dgrad_block_m=fc1_dgrad_block_m(shape, hopper, segment_rows, push))
+                      push_from_gemm=push_from_gemm_applies(shape, hopper))

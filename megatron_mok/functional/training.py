@@ -40,7 +40,7 @@ from ..config import MoKConfig, training_chunk_rows
 from ..ops import comm as comm_ops
 from ..ops import grouped_gemm as mok_gemm
 from .expert_ffn import (ExpertCall, expert_backward, expert_forward, fc1_swiglu_segments,
-                         fc1_dgrad_segments, fc2_dgrad_swiglu_segments, plain_gemm_segments, segments)
+                         fc2_dgrad_swiglu_segments, plain_gemm_segments, segments)
 from .main_grad import MainGrads, add_into, placeholders, split_segments
 from .validate import MoEShape
 from .workspace import Workspace
@@ -180,7 +180,8 @@ def _rows_home(ws: Workspace, call: ExpertCall, fc2: bool, a, weights, offsets, 
         rows = plain_gemm_segments(call, a, weights, offsets, counts, weights[0].shape[1], mok_gemm.check_fc2,
                                    mok_gemm.launch_fc2)
     else:
-        rows = fc1_dgrad_segments(call, a, weights, offsets, counts)
+        rows = plain_gemm_segments(call, a, weights, offsets, counts, weights[0].shape[2], mok_gemm.check_fc1_dgrad,
+                                   mok_gemm.launch_fc1_dgrad)
     comm_ops.push_rows(ws.bases, ws.layout.slots, 0 if fc2 else ws.layout.scalars, table, offsets, ws.layout.topk,
                        rows, row_scalars, 0)
 

@@ -91,7 +91,7 @@ def _lib():
         "fc2_dgrad": lib.function("mok_gemm_fc2_dgrad", _i,
                                   [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _i, _v]),
         "fc1_dgrad": lib.function("mok_gemm_fc1_dgrad", _i,
-                                  [_v, _v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _i, _v]),
+                                  [_v, _v, _v, _v, _i64, _i, _i, _i, _i, _i, _i, _i, _i, _v]),
         "fc2_push": lib.function("mok_gemm_fc2_push", _i,
                                  [_v, _v, _v, _v, _v, _i64, _i64, _i, _i, _i, _i, _i, _i, _v]),
         "fc1_dgrad_push": lib.function("mok_gemm_fc1_dgrad_push", _i,
@@ -241,7 +241,7 @@ def check_fc2_dgrad(dy, fc2_weight, offsets, tile_rows, block_m=None, wg_n=None,
 
 
 def check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m=None, wg_n=None, tma_store=None,
-                    multicast=None, counts=None) -> Variant:
+                    multicast=None) -> Variant:
     """Validate :func:`fc1_dgrad`'s arguments; returns the variant to launch."""
     _check_matrix("dgu", dgu, torch.bfloat16, 2, None)
     _check_matrix("fc1_weight", fc1_weight, torch.bfloat16, 3, dgu.device)
@@ -249,11 +249,8 @@ def check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m=None, wg_n=None
     L, two_i1, H = fc1_weight.shape
     if two_i1 != two_i:
         _fail(f"fc1_weight must be [L, 2I={two_i}, H], got {tuple(fc1_weight.shape)}")
-    _check_layout(offsets, counts, L, dgu.device)
+    _check_layout(offsets, None, L, dgu.device)
     v = variant("dgrad", tile_rows, block_m, wg_n, tma_store, multicast)
-    if counts is not None and v.multicast:
-        _fail("fc1_dgrad: counts (skipping the row blocks of padding) is taken by single-CTA variants only, "
-              f"not {v}")
     _check_multiple("2I", two_i, 64, "the K step of the kernels")
     _check_multiple("H", H, v.wg_n * 128 // v.block_m, f"columns of a {v.block_m}-row tile")
     return v
@@ -415,15 +412,12 @@ def launch_fc2_dgrad(dy, fc2_weight, offsets, dh, *, variant: Variant, num_ctas:
     lib.check(code, "mok_gemm_fc2_dgrad")
 
 
-def launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, *, variant: Variant, num_ctas: int = 0,
-                     counts: Optional[torch.Tensor] = None) -> None:
-    """Run the fc1 data gradient into ``dx`` (bf16 [R, H]). With ``counts`` (int32 [L]) the row
-    blocks of ``variant.block_m`` rows that hold no real row are skipped (their dx rows are not
-    written)."""
+def launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, *, variant: Variant, num_ctas: int = 0) -> None:
+    """Run the fc1 data gradient into ``dx`` (bf16 [R, H])."""
     lib, fns = _lib()
     R, two_i = dgu.shape
     L, _, H = fc1_weight.shape
-    code = fns["fc1_dgrad"](ptr(dgu), ptr(fc1_weight), ptr(offsets), ptr(counts), ptr(dx), R, L, H, two_i // 2,
+    code = fns["fc1_dgrad"](ptr(dgu), ptr(fc1_weight), ptr(offsets), ptr(dx), R, L, H, two_i // 2,
                             *_vargs(variant), num_ctas, stream_of(dgu))
     lib.check(code, "mok_gemm_fc1_dgrad")
 
@@ -585,15 +579,15 @@ def _(dy, fc2_weight, offsets, variant, num_ctas):
 
 @mok_op("mok::gemm_fc1_dgrad", mutates_args=())
 def gemm_fc1_dgrad_op(dgu: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, variant: List[int],
-                      num_ctas: int, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      num_ctas: int) -> torch.Tensor:
     """dx = dgu W1 per expert (bf16 [R, H]); see :func:`fc1_dgrad`."""
     dx = dgu.new_empty((dgu.shape[0], fc1_weight.shape[2]))
-    launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, variant=Variant(*variant), num_ctas=num_ctas, counts=counts)
+    launch_fc1_dgrad(dgu, fc1_weight, offsets, dx, variant=Variant(*variant), num_ctas=num_ctas)
     return dx
 
 
 @gemm_fc1_dgrad_op.register_fake
-def _(dgu, fc1_weight, offsets, variant, num_ctas, counts=None):
+def _(dgu, fc1_weight, offsets, variant, num_ctas):
     return dgu.new_empty((dgu.shape[0], fc1_weight.shape[2]))
 
 
@@ -789,23 +783,18 @@ def fc2_dgrad(dy: torch.Tensor, fc2_weight: torch.Tensor, offsets: torch.Tensor,
 
 def fc1_dgrad(dgu: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, *, tile_rows: int = 128,
               block_m: Optional[int] = None, wg_n: Optional[int] = None, tma_store: Optional[bool] = None,
-              multicast: Optional[bool] = None, num_ctas: int = 0,
-              counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+              multicast: Optional[bool] = None, num_ctas: int = 0) -> torch.Tensor:
     """Data gradient of fc1: dx[r] = dgu[r] W1_e with W1_e = fc1_weight[e] as [2I, H].
 
     Args:
         dgu: bf16 [R, 2I]. fc1_weight: bf16 [L, 2I, H]. offsets, tile_rows, block_m, wg_n,
         tma_store, multicast, num_ctas: as in :func:`fc1_swiglu`.
-        counts: int32 [L] real rows per expert, or None. Given (single-CTA variants only), the
-            row blocks of ``block_m`` rows that hold no real row are not computed and their dx
-            rows are left unset: 64-row tiles in 128-row segments then skip an expert's
-            padding-only last half. Every other row is the same bits either way.
 
     Returns:
         dx bf16 [R, H].
     """
-    v = check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m, wg_n, tma_store, multicast, counts)
-    return gemm_fc1_dgrad_op(dgu, fc1_weight, offsets, list(_vargs(v)), num_ctas, counts)
+    v = check_fc1_dgrad(dgu, fc1_weight, offsets, tile_rows, block_m, wg_n, tma_store, multicast)
+    return gemm_fc1_dgrad_op(dgu, fc1_weight, offsets, list(_vargs(v)), num_ctas)
 
 
 def weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, counts: Optional[torch.Tensor] = None, *,

@@ -103,33 +103,6 @@ def test_cuda_backend_gemm_families_match_oracle(spec, gemms, monkeypatch):
         assert torch.equal(a, b), f"{gemms}: results differ between two runs ({spec})"
 
 
-@pytest.mark.parametrize("spec", [(44, [2048], 2048, 1024, 96, 8, "uniform"), (45, [777], 1024, 512, 24, 6, "empty"),
-                                  (46, [1500, 900], 2048, 1024, 8, 2, "hot")],
-                         ids=lambda s: f"P{len(s[1])}-T{s[1][0]}-L{s[4]}-{s[6]}")
-def test_half_row_tiles_of_the_fc1_data_gradient_change_no_bit(spec, monkeypatch):
-    """The fc1 data gradient in 64-row tiles that skip padding-only halves
-    (``expert_ffn.HALF_TILE_DGRAD_MAX_ROWS``) gives bitwise the gradients of 128-row tiles."""
-    from megatron_mok.functional import expert_ffn
-
-    seed, tokens, H, I, L, K, routing = spec
-    case = gpu_case(seed, tokens, H, I, L, K, routing)
-    group = LocalEPGroup(len(tokens)) if len(tokens) > 1 else None
-    ranks, streams = (group.ranks, group.streams) if group else ([None], None)
-    config = MoKConfig(max_tokens_per_rank=max(tokens), timeout_s=20.0)
-    results = {}
-    for bound in (0, 10 ** 9):
-        monkeypatch.setattr(expert_ffn, "HALF_TILE_DGRAD_MAX_ROWS", bound)
-        expert_ffn.expert_call.cache_clear()
-        try:
-            results[bound] = _run_ranks(case, ranks, config, streams)
-        finally:
-            expert_ffn.expert_call.cache_clear()
-    _check_against_oracle(case, results[10 ** 9], f"64-row fc1 data gradient {spec}")
-    for r in range(len(tokens)):
-        for a, b in zip(results[0][r], results[10 ** 9][r]):
-            assert torch.equal(a, b), f"rank {r}: 64-row tiles changed the bits ({spec})"
-
-
 SWEEP_VIRTUAL = [
     (11, [3000, 1234], 2048, 1024, 4, 4, "uniform"),
     (12, [4096, 4096], 7168, 2048, 6, 8, "zipf"),

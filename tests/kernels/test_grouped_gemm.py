@@ -100,11 +100,8 @@ def test_python_signatures_match_the_c_abi(built_library, monkeypatch):
     assert fns["fc2"](p, p, p, p, 256, 0, 1024, 512, 128, 256, 0, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
     assert fns["fc2_dgrad_swiglu"](p, p, p, p, p, None, p, None, None, None, 256, 0, 1024, 512, 128, 0, 0,
                                    None) == MOK_ERR_INVALID_ARGUMENT
-    assert fns["fc2_dgrad"](p, p, p, p, 256, 0, 1024, 512, 128, 256, 1, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
-    assert fns["fc1_dgrad"](p, p, p, None, p, 256, 0, 1024, 512, 128, 256, 1, 0, 0, None) == \
-        MOK_ERR_INVALID_ARGUMENT
-    # counts (skipping padding-only row blocks) with a clustered variant
-    assert fns["fc1_dgrad"](p, p, p, p, p, 256, 4, 1024, 512, 128, 256, 1, 1, 0, None) == MOK_ERR_INVALID_ARGUMENT
+    for key in ("fc2_dgrad", "fc1_dgrad"):
+        assert fns[key](p, p, p, p, 256, 0, 1024, 512, 128, 256, 1, 0, 0, None) == MOK_ERR_INVALID_ARGUMENT
     assert fns["wgrad"](p, p, p, p, p, None, 0, 0, 0, 256, 0, 128, 256, 0, 256, None, None, 0, None) == \
         MOK_ERR_INVALID_ARGUMENT
     assert fns["scratch"](100, 512) == 200
@@ -166,12 +163,6 @@ def test_python_checks_name_the_bad_value():
     assert gg.check_fc1_dgrad(torch.zeros(256, 1024, dtype=torch.bfloat16), w1, offsets, 64) == \
         gg.DEFAULTS["dgrad"][64]
     assert gg.check_fc2_dgrad(x, w2, offsets, 128, multicast=True).multicast
-    dgu = torch.zeros(256, 1024, dtype=torch.bfloat16)
-    assert gg.check_fc1_dgrad(dgu, w1, offsets, 128, block_m=64, counts=counts) == gg.DEFAULTS["dgrad"][64]
-    with pytest.raises(gg.GemmArgumentError, match="counts .* single-CTA variants only"):
-        gg.check_fc1_dgrad(dgu, w1, offsets, 128, multicast=True, counts=counts)
-    with pytest.raises(gg.GemmArgumentError, match="counts must have L = 4 entries"):
-        gg.check_fc1_dgrad(dgu, w1, offsets, 128, counts=counts[:3])
     # fc1_preact runs fc2's kernel on fc1's weight; its errors speak of fc1's operands
     with pytest.raises(gg.GemmArgumentError, match="fc1_weight must be \\[L, 2I, H=256\\]"):
         gg.fc1_preact(torch.zeros(256, 256, dtype=torch.bfloat16), w1, offsets)
@@ -214,9 +205,7 @@ def test_wrappers_pass_sizes_and_variant_through(monkeypatch):
     assert gg.fc2_dgrad(y, w2, offsets, block_m=64).shape == (384, 512)
     assert calls["fc2_dgrad"][4:12] == (384, 4, 1024, 512, 64, 256, 0, 0)
     assert gg.fc1_dgrad(dgu, w1, offsets).shape == (384, 1024)
-    assert calls["fc1_dgrad"][3].value is None and calls["fc1_dgrad"][5:9] == (384, 4, 1024, 512)
-    gg.fc1_dgrad(dgu, w1, offsets, block_m=64, counts=counts)
-    assert calls["fc1_dgrad"][3].value == counts.data_ptr() and calls["fc1_dgrad"][9] == 64
+    assert calls["fc1_dgrad"][4:8] == (384, 4, 1024, 512)
     assert gg.weight_grad(dgu, x, offsets).dtype == torch.float32
     assert calls["wgrad"][6:13] == (0, 0, 0, 384, 4, 1024, 1024)
     assert gg.weight_grad(y, h, offsets, counts, out_dtype=torch.bfloat16).shape == (4, 1024, 512)
@@ -550,53 +539,6 @@ def test_fc1_dgrad(cfg):
         gg.launch_fc1_dgrad(dgu, w1, lay.offsets_d, dx, variant=v, num_ctas=num_ctas)
         torch.cuda.synchronize()
         _check(f"dx (ctas={num_ctas})", dx, ref, lay, seed)
-
-
-def _block_has_real_rows(lay: Layout, bm: int) -> torch.Tensor:
-    """bool [R]: the row lies in a row block of ``bm`` rows of its segment that holds a real row."""
-    keep = torch.zeros(lay.R, dtype=torch.bool, device="cuda")
-    for l, c in enumerate(lay.counts):
-        keep[lay.offsets[l]:lay.offsets[l] + -(-c // bm) * bm] = True
-    return keep
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [c for c in _configs("dgrad") if not c[1].multicast], ids=_id)
-def test_fc1_dgrad_with_counts_skips_padding_blocks(cfg):
-    """Given counts, the fc1 data gradient computes only the row blocks that hold a real row: their
-    rows bitwise the launch without counts (and against float64), every other row untouched (64-row
-    tiles in 128-row segments skip an expert's padding-only last half), also over a segment of the
-    experts (offsets[0] > 0)."""
-    tile, v = cfg
-    seed = _seed()
-    lay = Layout(SMALL + [1, 65, 129, 192], tile)
-    H, I = 1024, 512
-    dgu = torch.randn(lay.R, 2 * I, device="cuda").bfloat16()
-    w1 = (torch.randn(lay.L, 2 * I, H, device="cuda") / (2 * I) ** 0.5).bfloat16()
-    full = _poisoned(lay.R, H)
-    gg.launch_fc1_dgrad(dgu, w1, lay.offsets_d, full, variant=v)
-    computed = _block_has_real_rows(lay, v.block_m)
-    if tile > v.block_m:
-        assert (~computed[:lay.R_pad]).any(), "the layout has no padding-only block to skip"
-    ref = ref_rowwise(lay, dgu, lambda l: w1[l])
-    real = lay.real_mask()
-    for num_ctas in (0, 5):
-        dx = _poisoned(lay.R, H)
-        assert gg.check_fc1_dgrad(dgu, w1, lay.offsets_d, tile, v.block_m, v.wg_n, v.tma_store, v.multicast,
-                                  lay.counts_d) == v
-        gg.launch_fc1_dgrad(dgu, w1, lay.offsets_d, dx, variant=v, num_ctas=num_ctas, counts=lay.counts_d)
-        torch.cuda.synchronize()
-        assert not torch.isnan(dx[computed]).any(), f"rows of real blocks unwritten (seed {seed})"
-        assert torch.equal(dx[computed], full[computed]), f"counts changed the bits (seed {seed})"
-        assert torch.isnan(dx[~computed]).all(), f"padding-only blocks or rows past R_pad written (seed {seed})"
-        assert _rel(dx[real], ref[real]) < REL_TOL, f"dx against float64 (seed {seed})"
-    l0 = 3  # the experts from l0 on, from their offsets, as a launch of their own
-    seg = _poisoned(lay.R, H)
-    gg.launch_fc1_dgrad(dgu, w1[l0:].contiguous(), lay.offsets_d[l0:], seg, variant=v, counts=lay.counts_d[l0:])
-    torch.cuda.synchronize()
-    mine = computed.clone()
-    mine[:lay.offsets[l0]] = False
-    assert torch.equal(seg[mine], full[mine]) and torch.isnan(seg[~mine]).all(), f"segment launch (seed {seed})"
 
 
 @pytest.mark.gpu

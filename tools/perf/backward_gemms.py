@@ -2,8 +2,7 @@
 backward is its GEMMs, and so how much one fused launch could save by overlapping the rest.
 
 Kimi-K2 by default (H 7168, I 2048, 4096 tokens, top-8), uniform routing, 128-row segments
-(``--tile-rows 64``: 64-row segments and the GEMMs' defaults for them; ``--dgrad-block-m 64``: the
-fc1 data gradient in 64-row tiles, on 128-row segments skipping padding-only halves), the
+(``--tile-rows 64``: 64-row segments and the GEMMs' defaults for them), the
 experts' counts given (as the backends run them): the fc2 data gradient with the SwiGLU backward
 and the router-weight gradient, the fc2 and fc1 weight gradients (bf16, TMA-staged), the plain
 fc1 data gradient (the backends push its rows home from the epilogue where experts are large).
@@ -42,15 +41,13 @@ def run(L: int, args) -> None:
     dwr = torch.empty(R, device=dev)
     scratch = torch.empty(gg.dgrad_scratch_floats(R, I), device=dev)
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-    v_d2 = gg.variant("fc2_dgrad_swiglu", args.tile_rows)
-    v_d1 = gg.variant("dgrad", args.tile_rows, block_m=args.dgrad_block_m)
-    d1_counts = counts_d if v_d1.block_m < args.tile_rows else None  # skip the padding-only row blocks
+    v_d2, v_d1 = gg.variant("fc2_dgrad_swiglu", args.tile_rows), gg.variant("dgrad", args.tile_rows)
     steps = {
         "fc2 data gradient + SwiGLU": lambda: gg.launch_fc2_dgrad_swiglu(dy, w2, gu, offsets, counts_d, rw, dgu, h,
                                                                         dwr, scratch, variant=v_d2),
         "fc2 weight gradient": lambda: gg.launch_weight_grad(dy, h, offsets, dw2, counts=counts_d, tma_store=True),
         "fc1 weight gradient": lambda: gg.launch_weight_grad(dgu, x, offsets, dw1, counts=counts_d, tma_store=True),
-        "fc1 data gradient": lambda: gg.launch_fc1_dgrad(dgu, w1, offsets, dx, variant=v_d1, counts=d1_counts),
+        "fc1 data gradient": lambda: gg.launch_fc1_dgrad(dgu, w1, offsets, dx, variant=v_d1),
     }
     chain = lambda: [f() for f in steps.values()]
     flop = 12.0 * T * K * H * I
@@ -77,8 +74,6 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tile-rows", type=int, choices=(128, 64), default=128, help="the segments' padding")
-    ap.add_argument("--dgrad-block-m", type=int, choices=(128, 64), default=None,
-                    help="rows of the fc1 data gradient's tiles (64 on 128-row segments skips padding-only halves)")
     args = ap.parse_args()
     for L in args.experts:
         run(L, args)

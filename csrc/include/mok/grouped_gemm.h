@@ -73,14 +73,11 @@ MOK_API int mok_gemm_fc2_dgrad_swiglu(const void* dy, const void* fc2_weight, co
                                       int num_ctas, cudaStream_t stream);
 
 // dx = dgu W1_e (W1_e = fc1_weight[e] as [2I, H]), bf16. Needs I % 32 == 0 and
-// H % (wg_n * 128 / block_m) == 0. counts (int32 [L], or null; not with multicast): the rows of
-// the row blocks of block_m rows that hold no real row are neither computed nor written (with
-// 64-row tiles in 128-row segments, an expert's padding-only last half); the others are the
-// same bits either way.
+// H % (wg_n * 128 / block_m) == 0.
 MOK_API int mok_gemm_fc1_dgrad(const void* dgu, const void* fc1_weight, const int32_t* offsets,
-                               const int32_t* counts, void* dx, int64_t rows_cap, int L, int H,
-                               int I, int block_m, int wg_n, int tma_store, int multicast,
-                               int num_ctas, cudaStream_t stream);
+                               void* dx, int64_t rows_cap, int L, int H, int I, int block_m,
+                               int wg_n, int tma_store, int multicast, int num_ctas,
+                               cudaStream_t stream);
 
 // dh = dy D_e (D_e = fc2_weight[e] as [H, I]), bf16 [R, I]: the fc2 data gradient alone, for a
 // SwiGLU backward run separately. Needs H % 64 == 0 and I % (wg_n * 128 / block_m) == 0.

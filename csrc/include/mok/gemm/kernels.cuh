@@ -25,7 +25,6 @@ struct RowKernelParams {
   int L;
   int num_cb;              // column blocks
   int64_t rows_cap;
-  int skip_padding_blocks;  // with counts, single CTAs: tile only the row blocks holding a real row
 };
 
 // The three roles of a row-GEMM CTA over its tiles t = first, first + step, ... < total
@@ -92,13 +91,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = threadIdx.x; i <= p.L; i += blockDim.x) ring.table0[i] = p.offsets[i];
   __syncthreads();
   if constexpr (Cfg::kCluster == 1) {
-    const bool skip = p.skip_padding_blocks && p.counts != nullptr;
-    if (skip) {
-      RowScheduler::build_real_starts(ring.table0, p.counts, ring.table1, p.L, Cfg::BM, p.num_cb, p.rows_cap);
-      __syncthreads();
-    }
-    const RowScheduler sched(ring.table0, p.counts, p.L, Cfg::BM, p.num_cb, p.rows_cap,
-                             skip ? ring.table1 : nullptr);
+    const RowScheduler sched(ring.table0, p.counts, p.L, Cfg::BM, p.num_cb, p.rows_cap);
     run_row_roles<Cfg, Epi>(p, ring, blockIdx.x, gridDim.x, sched.total,
                             [&](int t) { return sched.tile(t); }, 0);
   } else {

@@ -39,25 +39,15 @@ struct RowTile {
 // offs: the CTA's shared-memory copy of offsets[0..L]; counts: device counts[L] (or null: no
 // padding mask). offs[0] need not be 0: a launch over a segment of the experts (offsets and
 // counts from expert l0 on) tiles rows offs[0] .. offs[L] only.
-// tstart (or null): shared int32[L + 1] from build_real_starts, the first tile of each expert
-// when only row blocks holding a real row are tiled: a block_m smaller than the segments'
-// padding (64-row tiles in 128-row segments) then skips the blocks that are all padding.
 struct RowScheduler {
   const int32_t* offs;
   const int32_t* counts;
-  const int32_t* tstart;
   int L, bm, num_cb, total;
   int first;  // tile index of row offs[0]
 
   __device__ __forceinline__ RowScheduler(const int32_t* offs_, const int32_t* counts_, int L_,
-                                          int bm_, int num_cb_, int64_t rows_cap,
-                                          const int32_t* tstart_ = nullptr)
-      : offs(offs_), counts(counts_), tstart(tstart_), L(L_), bm(bm_), num_cb(num_cb_) {
-    if (tstart != nullptr) {
-      first = 0;
-      total = tstart[L];
-      return;
-    }
+                                          int bm_, int num_cb_, int64_t rows_cap)
+      : offs(offs_), counts(counts_), L(L_), bm(bm_), num_cb(num_cb_) {
     int64_t r_pad = offs[L];
     if (r_pad > rows_cap) r_pad = rows_cap;
     first = (offs[0] / bm) * num_cb;
@@ -65,42 +55,18 @@ struct RowScheduler {
     if (total < 0) total = 0;
   }
 
-  // All threads of the CTA call this (the caller synchronises afterwards). Expert l gets
-  // ceil(counts[l] / bm) row blocks (at most its segment's, within rows_cap), num_cb tiles each:
-  // the counts are read in parallel, then one thread sums them in shared memory.
-  __device__ static void build_real_starts(const int32_t* offs, const int32_t* counts, int32_t* tstart,
-                                           int L, int bm, int num_cb, int64_t rows_cap) {
-    for (int l = threadIdx.x; l < L; l += blockDim.x) {
-      const int64_t end = offs[l + 1] < rows_cap ? offs[l + 1] : rows_cap;
-      const int seg = end > offs[l] ? static_cast<int>((end - offs[l]) / bm) : 0;
-      const int real = (max(counts[l], 0) + bm - 1) / bm;
-      tstart[l] = min(seg, real) * num_cb;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int acc = 0;
-      for (int l = 0; l < L; ++l) {
-        const int n = tstart[l];
-        tstart[l] = acc;
-        acc += n;
-      }
-      tstart[L] = acc;
-    }
-  }
-
   __device__ __forceinline__ RowTile tile(int t) const {
     t += first;
-    // Largest expert l whose first tile index is <= t.
+    // Largest expert l whose first tile index offs[l] / bm * num_cb is <= t.
     int lo = 0, hi = L - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
-      const int start = tstart != nullptr ? tstart[mid] : (offs[mid] / bm) * num_cb;
-      if (start <= t) lo = mid; else hi = mid - 1;
+      if ((offs[mid] / bm) * num_cb <= t) lo = mid; else hi = mid - 1;
     }
     const int l = lo;
     const int rb0 = offs[l] / bm;
-    const int nrb = tstart != nullptr ? (tstart[l + 1] - tstart[l]) / num_cb : offs[l + 1] / bm - rb0;
-    const int local = t - (tstart != nullptr ? tstart[l] : rb0 * num_cb);
+    const int nrb = offs[l + 1] / bm - rb0;
+    const int local = t - rb0 * num_cb;
     const int group = local / (kGroupRows * num_cb);
     const int in_group = local - group * kGroupRows * num_cb;
     const int rows_in_group = min(kGroupRows, nrb - group * kGroupRows);
