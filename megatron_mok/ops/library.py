@@ -26,7 +26,7 @@ from typing import Optional
 
 from .. import _build
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 _lock = threading.Lock()
 _library: Optional["MokLibrary"] = None
 
