@@ -4,7 +4,7 @@
 #include "mok/common.h"
 
 // Bumped whenever an exported signature changes; the Python side checks it at load time.
-static constexpr int kAbiVersion = 7;
+static constexpr int kAbiVersion = 6;
 
 MOK_API int mok_abi_version(void) { return kAbiVersion; }
 

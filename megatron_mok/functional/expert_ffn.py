@@ -43,7 +43,6 @@ class ExpertCall:
     num_experts: int
     hopper_gemms: bool  # MoK's Hopper GEMMs with SwiGLU fused (hopper_gemms_apply), else torch's
     push_from_gemm: bool = False  # fc2 / the fc1 data gradient push rows home from their epilogue
-    compute_launch: bool = False  # the backward runs as the backward megakernel's compute launch where it can
 
 
 PUSH_FROM_GEMM_MIN_ROWS = 384

@@ -22,10 +22,8 @@ Forward, on every rank:
 Backward: when the call needs one, the launch also writes the activations the backward reads
 (the pulled rows, their router weights and the fc1 pre-activation) for the first rows of the
 expert-grouped layout, as many as the training ring holds (``MoKConfig.training_ring_rows``), and
-the backward is :func:`training.moe_backward`: with one kept chunk, one weight segment and bf16
-weight gradients its GEMMs run as the backward megakernel's compute launch
-(``ops.megakernel_backward``), otherwise the ``cuda`` backend's kernels, chunk by chunk, replaying
-the rows past the ring. A forward without grad keeps nothing.
+the backward is :func:`training.moe_backward` (the ``cuda`` backend's kernels, chunk by chunk,
+replaying the rows past the ring). A forward without grad keeps nothing.
 
 Tunables: ``MoKConfig`` (comm SMs, minibatch, ring) and ``MoKConfig.megakernel`` (pair mode,
 group size), resolved once per (config, shape) by :func:`resolve_tunables`, whose ``None``
@@ -296,8 +294,7 @@ def _prepared_launch(ws: Workspace, spec: CallSpec) -> Tuple[_Launch, bool]:
     launch = _Launch(ring=get_ring(ws, resolved.ring_rows, shape.ffn_hidden), config=resolved,
                      num_ctas=share if isinstance(spec.ep_group, LocalEPRank) else 0,
                      comm_ctas_no_grad=config.forward_comm_sms(resolved, saves_activations=False),
-                     expert_call=dataclasses.replace(expert_ffn.expert_call(config, shape, spec.ep_size, block_rows),
-                                                     compute_launch=True))
+                     expert_call=expert_ffn.expert_call(config, shape, spec.ep_size, block_rows))
     if os.environ.get(PRINT_CONFIG_ENV) == "1":
         log.warning("megatron-mok: megakernel launch for %s on EP rank %d of %d: %s, %d CTAs (0: every SM), "
                     "%d comm CTAs without grad", shape, ws.rank, spec.ep_size, resolved, launch.num_ctas,

@@ -39,7 +39,6 @@ import torch
 from ..config import MoKConfig, training_chunk_rows
 from ..ops import comm as comm_ops
 from ..ops import grouped_gemm as mok_gemm
-from ..ops import megakernel_backward as bwd_ops
 from .expert_ffn import (ExpertCall, expert_backward, expert_forward, fc1_swiglu_segments,
                          fc2_dgrad_swiglu_segments, plain_gemm_segments, segments)
 from .main_grad import MainGrads, add_into, placeholders, split_segments
@@ -281,15 +280,6 @@ def consume_kept(ctx) -> None:
     ctx.mok_kept_consumed = True
 
 
-def _runs_compute_launch(call: ExpertCall, plan: Sequence[Chunk], fc2s, main_grads) -> bool:
-    """Whether this backward runs as the backward megakernel's compute launch
-    (``ops.megakernel_backward``): the backend asks for it (``call.compute_launch``), the plan is
-    one kept chunk (no replay, no weight-gradient carry), one weight segment, bf16 weight gradients.
-    Otherwise the unfused chain runs, as it did before the launch existed."""
-    return (call.compute_launch and len(plan) == 1 and plan[0].kept and len(fc2s) == 1 and main_grads is None
-            and plan[0].rows % 128 == 0)
-
-
 def moe_backward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], kept: Sequence[Kept], dy: torch.Tensor,
                  x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
                  offsets: torch.Tensor, counts: torch.Tensor, fc1, fc2, fc1_2=None, fc2_2=None,
@@ -327,8 +317,7 @@ def moe_backward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], kept: S
             add_into(main_grads[1], d_fc2)
         comm_ops.push_rows(ws.bases, ws.layout.slots, ws.layout.scalars, table, offsets, K, dx_rows, dw_rows, 0)
     else:
-        fused = _runs_compute_launch(call, plan, fc2s, main_grads)
-        grads = None if fused else _WeightGrads(fc1s, fc2s, len(plan), main_grads)
+        grads = _WeightGrads(fc1s, fc2s, len(plan), main_grads)
         kept_iter = iter(kept)
         for i, c in enumerate(plan):
             tab = table[c.row0:c.row1]
@@ -340,14 +329,6 @@ def moe_backward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], kept: S
                 x_c, w_c = comm_ops.pull_rows(ws.bases, ws.layout.rows_x, True, ws.layout.scalars, tab, offs, K,
                                               c.rows, H, True, 0)
                 gu_c = _replay_preact(call, x_c, w_c, fc1s, offs, cnts)
-            if fused:
-                # The backward megakernel's compute launch: the four GEMMs, the SwiGLU backward and the
-                # pushes of dX and d router weight in one persistent launch, bitwise the chain below.
-                d_fc1, d_fc2 = bwd_ops.backward_compute(d_out, x_c, gu_c, w_c, fc1, fc2, offs, cnts, tab, ws.bases,
-                                                        ws.layout.slots, ws.layout.scalars, ws.status,
-                                                        call.timeout_s, ws.rank)
-                del d_out, x_c, w_c, gu_c
-                continue
             # Each operand is dropped once its last reader is queued, and d gate|up is written over the
             # chunk's gate|up (read only here; a second backward is refused, consume_kept): what the
             # chunk allocates is dY and h, then the dX rows (none where they go home from the GEMM's
@@ -367,12 +348,10 @@ def moe_backward(ws: Workspace, call: ExpertCall, plan: Sequence[Chunk], kept: S
             # (reverse dispatch): the dX rows are never written to [n, H].
             _rows_home(ws, call, False, d_gu, fc1s, offs, cnts, tab, dw_rows)
             del d_gu, dw_rows
-        d_fc1_2 = d_fc2_2 = None
-        if grads is not None:
-            g1, g2 = grads.results()
-            d_fc1, d_fc2 = g1[0], g2[0]
-            d_fc1_2 = g1[1] if fc1_2 is not None else None
-            d_fc2_2 = g2[1] if fc2_2 is not None else None
+        g1, g2 = grads.results()
+        d_fc1, d_fc2 = g1[0], g2[0]
+        d_fc1_2 = g1[1] if fc1_2 is not None else None
+        d_fc2_2 = g2[1] if fc2_2 is not None else None
     ws.barrier(SITE_BWD_COMBINE, call.timeout_s)
     dx, dw = comm_ops.sum_slots(ws.slots[:T], topk_ids, call.num_experts, ws.scalars[:T], ws.status)
     ws.mirror_status()

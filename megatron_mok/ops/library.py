@@ -26,7 +26,7 @@ from typing import Optional
 
 from .. import _build
 
-ABI_VERSION = 7
+ABI_VERSION = 6
 _lock = threading.Lock()
 _library: Optional["MokLibrary"] = None
 

@@ -218,55 +218,6 @@ MOK_API int mok_megakernel_launch_shape(int64_t comm_ctas, int64_t num_ctas, int
 // fit an SM of this device, or the device has more than max_ctas SMs).
 MOK_API int mok_megakernel_forward(const MokMegakernelArgs* args, cudaStream_t stream);
 
-// The backward megakernel's compute launch (docs/training.md section 0, "The compute launch";
-// mok/megakernel/bwd_kernel.cuh): for the dY rows already pulled into the expert-grouped layout
-// and the forward's kept activations, the fc2 data gradient with the SwiGLU backward, the fc1 data
-// gradient with dX and the router-weight gradient pushed to each route's (token, slot) on its home
-// rank, and both bf16 weight gradients, in one persistent launch; bitwise the unfused chain
-// (mok_gemm_fc2_dgrad_swiglu over gate|up, mok_gemm_weight_grad with counts and TMA stores,
-// mok_gemm_fc1_dgrad_push). Rows are layout rows, offsets padded to 128. All fields 8 bytes.
-typedef struct MokBackwardComputeArgs {
-  const void* dy;              // bf16 [rows, H]: the pulled output gradients
-  const void* x;               // bf16 [rows, H]: the kept x rows
-  void* gu;                    // bf16 [rows, 2I]: the kept gate|up, overwritten by d gate|up
-  const void* router_weights;  // fp32 [rows]
-  void* h;                     // bf16 [rows, I] scratch: w silu(gate) up (the fc2 weight gradient's operand)
-  void* partials;              // fp32 [I / 256, rows] scratch: the router-weight partial sums
-  const void* fc1_weight;      // bf16 [L, 2I, H]
-  const void* fc2_weight;      // bf16 [L, H, I]
-  void* d_fc1;                 // bf16 [L, 2I, H] out
-  void* d_fc2;                 // bf16 [L, H, I] out
-  const void* offsets;         // int32 [L + 1], multiples of 128
-  const void* counts;          // int32 [L] real rows per expert
-  const void* table;           // int32 [rows, 2]: (source rank or -1, token * K + slot) per layout row
-  const void* bases;           // uint64 [P]: every rank's workspace region
-  int64_t slots_offset;        // byte offset of the bf16 slots [T_cap, K, H] in a region
-  int64_t scalars_offset;      // byte offset of the fp32 scalar slots [T_cap, K]
-  void* counters;              // int32 [counter_words] scratch (mok_megakernel_backward_compute_counter_words)
-  int64_t counter_words;
-  void* status;                // int32 [MOK_STATUS_WORDS]: a wait that runs out records a timeout
-  int64_t timeout_ns;
-  int64_t rank;
-  int64_t rows;                // rows of the layout arrays, a multiple of 128
-  int64_t L, H, I;             // H % 256 == 0, I % 256 == 0, 1 <= L <= 1024
-  int64_t num_ctas;            // 0: one per SM
-  int64_t* trace;              // optional timeline, int64 [trace_capacity, 6] (null: off): compute item i
-                               // -> record 2 i, its D2 offload / W tile count -> 2 i + 1, CTA c ->
-                               // record trace_capacity - 1 - c (mok/megakernel/bwd_kernel.cuh)
-  int64_t trace_capacity;      // records
-} MokBackwardComputeArgs;
-
-// int32 words of the compute launch's counter buffer for these sizes, or -1 when they are not
-// supported. No CUDA call.
-MOK_API int64_t mok_megakernel_backward_compute_counter_words(int64_t rows, int L, int H, int I);
-
-// Runs the compute launch on `stream` (a reset kernel that builds the plan tables, a kernel that
-// resolves every queue position, the persistent kernel, a kernel zeroing the weight gradients of
-// experts without rows). No host
-// synchronisation; CUDA-graph capturable. Returns MOK_OK, a cudaError_t or
-// MOK_ERR_INVALID_ARGUMENT (checked before any CUDA call).
-MOK_API int mok_megakernel_backward_compute(const MokBackwardComputeArgs* args, cudaStream_t stream);
-
 // Timeout sites of the megakernel's waits (MOK_STATUS_WHERE); 1-4 are the cuda backend's
 // barriers, 5-6 the megakernel backward's extra barriers (Python side). 12-18 are the backward
 // megakernel's waits (docs/training.md 2.5).
